@@ -1,0 +1,149 @@
+"""syncline.DataParallel vs torch DDP: same model, data, settings, ranks; alternated in one run.
+
+For each model (GPT on the stdlib corpus, CNN on sklearn digits), 2 gloo ranks train a copy
+with each engine in alternating segments (ABBA order, so drift does not favour either), and the
+median samples/s over the pairs is reported with the ratio. Separately, the gradient buffer's
+bucketed allreduce through syncline is timed against one raw gloo allreduce of a buffer of the
+same size (the limit), as bus bandwidth: busbw = n/T * 2(p-1)/p.
+
+    python benchmarks/dp_vs_ddp.py --pairs 7 --steps 20 --out benchmarks/results/dp_vs_ddp.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from syncline import DataParallel, comm
+from syncline.comm.collectives import FlatAllreduce
+from syncline.config import TrainConfig
+from syncline.data import ShardedBatches
+from syncline.models import model_loss
+from syncline.testing import run_ranks
+from syncline.train.trainer import build_dataset, build_model_for
+
+MODELS = {
+    "gpt": TrainConfig(model="gpt", batch_size=32),
+    "cnn": TrainConfig(model="cnn", batch_size=128),
+}
+
+
+def _segment(engine, opt, loss_fn, batches, start: int, steps: int) -> float:
+    comm.barrier(what="segment start")
+    t0 = time.perf_counter()
+    for step in range(start, start + steps):
+        x, y = batches.batch(step)
+        opt.zero_grad(set_to_none=True)
+        loss_fn(engine(x), y).backward()
+        opt.step()
+    comm.barrier(what="segment end")
+    return time.perf_counter() - t0
+
+
+def _busbw(nbytes: float, seconds: float, p: int) -> float:
+    return nbytes / seconds * 2 * (p - 1) / p
+
+
+def _rank(rank: int, world: int, name: str, pairs: int, steps: int, warmup: int) -> dict:
+    cfg = MODELS[name]
+    loss_fn = model_loss(name)
+    dataset, _ = build_dataset(cfg)
+    batches = ShardedBatches(dataset, cfg.batch_size, rank, world, cfg.seed)
+    engines = {}
+    for kind in ("syncline", "ddp"):
+        model = build_model_for(cfg)
+        wrapped = DataParallel(model) if kind == "syncline" else DDP(model)
+        opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+        _segment(wrapped, opt, loss_fn, batches, 0, warmup)
+        engines[kind] = (wrapped, opt)
+    times: dict[str, list[float]] = {"syncline": [], "ddp": []}
+    for i in range(pairs):
+        order = ("syncline", "ddp") if i % 2 == 0 else ("ddp", "syncline")
+        for kind in order:
+            wrapped, opt = engines[kind]
+            times[kind].append(_segment(wrapped, opt, loss_fn, batches, warmup + i * steps, steps))
+    # collective path alone: syncline's bucketed buffer vs one raw allreduce of the same size
+    dp = engines["syncline"][0]
+    nbytes = dp.bucket_plan.total_numel * 4
+    raw = FlatAllreduce()
+    buf = torch.randn(dp.bucket_plan.total_numel)
+    ours, limit = [], []
+    for _ in range(10):
+        ours.append(dp.sync_gradients().exposed_comm_s)
+        comm.barrier(what="raw allreduce")
+        t0 = time.perf_counter()
+        raw.allreduce(buf, "raw allreduce").wait()
+        limit.append(time.perf_counter() - t0)
+    return {
+        "times": times,
+        "samples_per_segment": cfg.batch_size * steps,
+        "grad_bytes": nbytes,
+        "buckets": len(dp.bucket_plan.buckets),
+        "bucketed_allreduce_s": statistics.median(ours),
+        "raw_allreduce_s": statistics.median(limit),
+    }
+
+
+def run(name: str, pairs: int, steps: int, warmup: int, world: int) -> dict:
+    res = run_ranks(_rank, world, name, pairs, steps, warmup, timeout_s=1800, comm_timeout_s=300)[0]
+    n = res["samples_per_segment"]
+    sps = {k: [n / t for t in v] for k, v in res["times"].items()}
+    ratios = [a / b for a, b in zip(sps["syncline"], sps["ddp"], strict=True)]
+    return {
+        "model": name,
+        "world_size": world,
+        "pairs": pairs,
+        "steps_per_segment": steps,
+        "syncline_samples_per_s": statistics.median(sps["syncline"]),
+        "ddp_samples_per_s": statistics.median(sps["ddp"]),
+        "ratio_of_medians": statistics.median(sps["syncline"]) / statistics.median(sps["ddp"]),
+        "median_pair_ratio": statistics.median(ratios),
+        "pair_ratios": ratios,
+        "grad_bytes": res["grad_bytes"],
+        "buckets": res["buckets"],
+        "bucketed_allreduce_busbw_GBps": _busbw(
+            res["grad_bytes"], res["bucketed_allreduce_s"], world
+        )
+        / 1e9,
+        "raw_allreduce_busbw_GBps": _busbw(res["grad_bytes"], res["raw_allreduce_s"], world) / 1e9,
+        "busbw_fraction_of_limit": res["raw_allreduce_s"] / res["bucketed_allreduce_s"],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="gpt,cnn")
+    ap.add_argument("--pairs", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--out", default="benchmarks/results/dp_vs_ddp.json")
+    a = ap.parse_args()
+    if a.pairs < 5:
+        print("dp_vs_ddp: --pairs must be >= 5 (medians need at least 5 pairs)", file=sys.stderr)
+        return 2
+    results = [run(m, a.pairs, a.steps, a.warmup, a.world) for m in a.models.split(",")]
+    out = {"benchmark": "dp_vs_ddp", "torch": torch.__version__, "results": results}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
+    for r in results:
+        print(
+            f"{r['model']}: syncline {r['syncline_samples_per_s']:.1f} vs DDP "
+            f"{r['ddp_samples_per_s']:.1f} samples/s -> ratio {r['ratio_of_medians']:.3f} "
+            f"(median pair ratio {r['median_pair_ratio']:.3f}); allreduce busbw "
+            f"{r['bucketed_allreduce_busbw_GBps']:.2f} vs raw "
+            f"{r['raw_allreduce_busbw_GBps']:.2f} GB/s"
+        )
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

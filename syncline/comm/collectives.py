@@ -1,0 +1,134 @@
+"""Asynchronous collectives behind a small strategy protocol, with named timeouts.
+
+The data-parallel engine asks a :class:`Collective` to reduce a tensor and gets a
+:class:`Pending` back. Which algorithm runs (one flat ring, or hierarchical over nodes) is the
+collective's business, so a new algorithm plugs in without touching the engine's hooks.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from syncline.comm.groups import Group, group_rank, group_size
+from syncline.errors import CommError, CommTimeout
+
+
+@dataclass
+class Pending:
+    """An operation in flight; :meth:`wait` finishes it (and any follow-up) or fails loudly.
+
+    Attributes:
+        works: the torch ``Work`` handles to wait for, in order.
+        what: human description for errors, e.g. ``"allreduce of bucket 3 at step 17"``.
+        timeout_s: how long each wait may take.
+        then: optional follow-up run once all works are done (e.g. decompression).
+        wire_bytes: payload bytes this operation put on the wire (per rank, before the
+            algorithm's own 2(p-1)/p factor).
+    """
+
+    works: list[dist.Work]
+    what: str
+    timeout_s: float
+    rank: int
+    then: Callable[[], None] | None = None
+    wire_bytes: int = 0
+    _done: bool = field(default=False, repr=False)
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        for work in self.works:
+            try:
+                ok = work.wait(datetime.timedelta(seconds=self.timeout_s))
+            except RuntimeError as exc:
+                text = str(exc)
+                first = text.splitlines()[0] if text else repr(exc)
+                if "imeout" in text or "imed out" in text:
+                    raise CommTimeout(
+                        f"rank {self.rank}: {self.what} did not complete within "
+                        f"{self.timeout_s:.0f}s: {first}"
+                    ) from exc
+                raise CommError(f"rank {self.rank}: {self.what} failed: {first}") from exc
+            if ok is False:
+                raise CommTimeout(
+                    f"rank {self.rank}: {self.what} did not complete within {self.timeout_s:.0f}s"
+                )
+        self._done = True
+        if self.then is not None:
+            self.then()
+
+
+def completed(what: str, then: Callable[[], None] | None = None) -> Pending:
+    """A :class:`Pending` with nothing in flight (single process, or purely local work)."""
+    return Pending(works=[], what=what, timeout_s=0.0, rank=0, then=then)
+
+
+class Collective(Protocol):
+    """What a compressor needs from the network: sum-allreduce and allgather, async."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def timeout_s(self) -> float: ...
+
+    def allreduce(self, tensor: torch.Tensor, what: str) -> Pending:
+        """Sum ``tensor`` over all ranks, in place."""
+        ...
+
+    def allgather(self, tensor: torch.Tensor, what: str) -> tuple[Pending, list[torch.Tensor]]:
+        """Gather every rank's ``tensor`` (same shape on every rank) into a new list."""
+        ...
+
+
+class FlatAllreduce:
+    """One collective over the whole group: gloo's or NCCL's own ring/tree algorithm."""
+
+    def __init__(self, group: Group = None, *, timeout_s: float = 300.0) -> None:
+        self._group = group
+        self._timeout_s = timeout_s
+
+    @property
+    def rank(self) -> int:
+        return group_rank(self._group)
+
+    @property
+    def world_size(self) -> int:
+        return group_size(self._group)
+
+    @property
+    def timeout_s(self) -> float:
+        return self._timeout_s
+
+    def _pending(self, work: dist.Work | None, what: str, nbytes: int) -> Pending:
+        works = [] if work is None else [work]
+        return Pending(works, what, self._timeout_s, self.rank, wire_bytes=nbytes)
+
+    def allreduce(self, tensor: torch.Tensor, what: str) -> Pending:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.world_size == 1:
+            return self._pending(None, what, 0)
+        try:
+            work = dist.all_reduce(tensor, group=self._group, async_op=True)
+        except RuntimeError as exc:
+            raise CommError(f"rank {self.rank}: {what} could not start: {exc}") from exc
+        return self._pending(work, what, nbytes)
+
+    def allgather(self, tensor: torch.Tensor, what: str) -> tuple[Pending, list[torch.Tensor]]:
+        if self.world_size == 1:
+            return self._pending(None, what, 0), [tensor.clone()]
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        try:
+            work = dist.all_gather(out, tensor.contiguous(), group=self._group, async_op=True)
+        except RuntimeError as exc:
+            raise CommError(f"rank {self.rank}: {what} could not start: {exc}") from exc
+        return self._pending(work, what, tensor.numel() * tensor.element_size()), out

@@ -1,0 +1,133 @@
+"""Process-group lifecycle and small synchronous helpers, always with a timeout.
+
+Why a layer of its own: every wait on another rank can hang forever when that rank dies, so
+every group is created with an explicit timeout here and no other module creates one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from syncline.errors import CommError, ConfigError
+
+#: A process group handle; ``None`` means the default (world) group, as in torch.
+Group = dist.ProcessGroup | None
+
+_BACKENDS = ("gloo", "nccl")
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in _BACKENDS:
+        raise ConfigError(f"backend={backend!r} is not supported; valid: {', '.join(_BACKENDS)}")
+
+
+def init_with_file_store(
+    path: str, rank: int, world_size: int, *, backend: str = "gloo", timeout_s: float = 120.0
+) -> None:
+    """Start the default group from a shared file (tests, benchmarks): no ports, no races.
+
+    Args:
+        path: a file path every rank can see; it must not exist before the first rank starts.
+        rank: this process's rank, ``0 <= rank < world_size``.
+        world_size: number of processes.
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (GPU).
+        timeout_s: how long any collective may wait before it fails.
+    """
+    _check_backend(backend)
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank={rank} must be in [0, world_size={world_size})")
+    store = dist.FileStore(path, world_size)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def init_from_env(*, backend: str = "gloo", timeout_s: float = 300.0) -> tuple[int, int]:
+    """Start the default group from the variables ``torchrun`` sets; returns (rank, world).
+
+    Only the launcher-facing code calls this: it is the one place that reads ``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``.
+    """
+    _check_backend(backend)
+    missing = [
+        k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
+    ]
+    if missing:
+        raise CommError(
+            f"environment variables {missing} are not set; start the job with torchrun "
+            "or `syncline train`"
+        )
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def destroy() -> None:
+    if is_initialized():
+        dist.destroy_process_group()
+
+
+def backend_name(group: Group = None) -> str:
+    """``"gloo"``, ``"nccl"``, ... of ``group``; ``"gloo"`` when no group is running."""
+    return str(dist.get_backend(group)) if is_initialized() else "gloo"
+
+
+def group_rank(group: Group = None) -> int:
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def group_size(group: Group = None) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def barrier(group: Group = None, *, timeout_s: float | None = None, what: str = "barrier") -> None:
+    """A barrier that names the rank and purpose when it times out."""
+    if group_size(group) == 1:
+        return
+    try:
+        if timeout_s is None:
+            dist.barrier(group=group)
+        else:
+            dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        raise CommError(f"rank {group_rank(group)}: {what} failed: {exc}") from exc
+
+
+def broadcast_tensors(
+    tensors: Sequence[torch.Tensor], *, src: int = 0, group: Group = None, what: str = "broadcast"
+) -> None:
+    """Broadcast tensors from ``src`` (a rank *within* ``group``) in place, one message per dtype.
+
+    Coalescing matters: a model has tens to hundreds of parameters, and one message per
+    tensor costs one latency each.
+    """
+    if group_size(group) == 1 or not tensors:
+        return
+    global_src = src if group is None else dist.get_global_rank(group, src)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group_tensors in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
+        try:
+            dist.broadcast(flat, src=global_src, group=group)
+        except RuntimeError as exc:
+            raise CommError(f"rank {group_rank(group)}: {what} failed: {exc}") from exc
+        offset = 0
+        with torch.no_grad():
+            for t in group_tensors:
+                n = t.numel()
+                t.copy_(flat[offset : offset + n].view_as(t))
+                offset += n

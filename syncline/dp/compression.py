@@ -1,0 +1,53 @@
+"""The gradient-compression strategy protocol and the lossless default.
+
+A compressor turns one bucket of (locally averaged-to-be) gradients into traffic on a
+:class:`~syncline.comm.Collective` and writes the averaged result back into the bucket. The
+shape follows Horovod's and DDP's comm hooks (compress, communicate, decompress), with the
+state (residuals, factors) held by the compressor so a checkpoint can save and restore it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from syncline.comm.collectives import Collective, Pending
+
+
+@dataclass(frozen=True)
+class BucketRef:
+    """Which bucket is being reduced, and when; compressors key their state on ``index``."""
+
+    index: int
+    step: int
+
+
+class Compressor(Protocol):
+    """Reduce one bucket: on return of ``Pending.wait()``, ``grad`` holds the rank average."""
+
+    name: str
+
+    def reduce(self, bucket: BucketRef, grad: torch.Tensor, comm: Collective) -> Pending: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class NoCompression:
+    """Full-precision allreduce: divide by the world size, then sum in place."""
+
+    name = "none"
+
+    def reduce(self, bucket: BucketRef, grad: torch.Tensor, comm: Collective) -> Pending:
+        if comm.world_size > 1:
+            grad.div_(comm.world_size)
+        return comm.allreduce(grad, f"allreduce of bucket {bucket.index} at step {bucket.step}")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state

@@ -1,0 +1,371 @@
+"""DataParallel: a drop-in for DDP built on lazy allreduce over one flat gradient buffer.
+
+How a step runs (GradientFlow's lazy allreduce, Sun et al. 2019; DDP's reducer, Li et al. 2020):
+
+    forward    attach each ``param.grad`` as a view into one flat buffer (zeroed once)
+    backward   autograd accumulates straight into the buffer; a hook marks each parameter
+               ready; when every parameter of the next bucket is ready, that bucket is handed
+               to the compressor, which starts an asynchronous collective
+    end        an autograd callback flushes the remaining buckets and waits only for what is
+               still in flight; the buffer then holds the rank-averaged gradients
+
+Because ``param.grad`` *is* the buffer, nothing is copied into or out of buckets (DDP copies
+both ways by default). The bucket plan is pure data (:mod:`syncline.dp.buckets`); the
+compressor and the collective algorithm are strategies, so fp16/sparse compression and
+hierarchical allreduce plug in without touching the hooks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from syncline import comm
+from syncline.comm.collectives import Collective, FlatAllreduce, Pending
+from syncline.config import DataParallelConfig
+from syncline.dp.buckets import BucketPlan, plan_buckets
+from syncline.dp.compression import BucketRef, Compressor, NoCompression
+from syncline.errors import ConfigError
+
+
+@dataclass
+class StepStats:
+    """What the last synchronised backward communicated."""
+
+    step: int = 0
+    collectives: int = 0
+    wire_bytes: int = 0
+    dense_bytes: int = 0
+    exposed_comm_s: float = 0.0
+
+
+class DataParallel(nn.Module):
+    """Data parallelism over a process group; a training loop written for DDP works unchanged.
+
+    Args:
+        module: the model; its parameters and buffers are broadcast from rank 0 here, as DDP
+            does, so all replicas start identical.
+        device_ids, output_device, dim, check_reduction, gradient_as_bucket_view,
+            static_graph: accepted for DDP compatibility; on CPU the device arguments are
+            ignored and gradients are always bucket views.
+        broadcast_buffers, process_group, bucket_cap_mb, find_unused_parameters: as in DDP.
+        first_bucket_cap_mb, rebuild_buckets, timeout_s: see :class:`DataParallelConfig`.
+        compression: a :class:`~syncline.dp.compression.Compressor` (default: lossless).
+        allreduce: ``"flat"`` or a :class:`~syncline.comm.Collective` (e.g. hierarchical).
+
+    Raises:
+        ConfigError: on invalid sizes, no trainable parameters, or mixed parameter dtypes.
+
+    Example:
+        >>> model = DataParallel(net)              # after torch.distributed is initialised
+        >>> loss_fn(model(x), y).backward()        # gradients are averaged over ranks
+        >>> opt.step()
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: list[int] | None = None,
+        output_device: int | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool = True,
+        process_group: comm.Group = None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = True,
+        static_graph: bool = False,
+        *,
+        first_bucket_cap_mb: float | None = None,
+        rebuild_buckets: bool = True,
+        timeout_s: float = 300.0,
+        compression: Compressor | None = None,
+        allreduce: str | Collective = "flat",
+    ) -> None:
+        super().__init__()
+        del device_ids, output_device, dim, check_reduction, gradient_as_bucket_view, static_graph
+        self.config = DataParallelConfig(
+            bucket_cap_mb=25.0 if bucket_cap_mb is None else bucket_cap_mb,
+            first_bucket_cap_mb=first_bucket_cap_mb,
+            broadcast_buffers=broadcast_buffers,
+            find_unused_parameters=find_unused_parameters,
+            rebuild_buckets=rebuild_buckets,
+            timeout_s=timeout_s,
+        )
+        self.module = module
+        self.process_group = process_group
+        self._comm = _resolve_collective(allreduce, process_group, timeout_s)
+        self._compressor: Compressor = compression or NoCompression()
+        self._dense = NoCompression()
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ConfigError("DataParallel: the module has no parameter with requires_grad=True")
+        dtypes = sorted({str(p.dtype) for _, p in named})
+        if len(dtypes) > 1:
+            raise ConfigError(f"DataParallel: trainable parameters mix dtypes {dtypes}; use one")
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+
+        # Same starting point on every rank (DDP semantics; the one side effect we must have).
+        comm.broadcast_tensors(
+            [p.data for p in module.parameters()] + list(module.buffers()),
+            group=process_group,
+            what="initial parameter broadcast",
+        )
+        order = list(reversed(range(len(self._params))))  # backward runs roughly in reverse
+        self._install_plan(order)
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._make_hook(i))
+            for i, p in enumerate(self._params)
+        ]
+        self._sync_enabled = True
+        self._sync_this_backward = True
+        self._used = [False] * len(self._params)
+        self._steps_synced = 0
+        self._reset_backward_state()
+        self.last_stats = StepStats()
+
+    # -- layout -------------------------------------------------------------------------
+    def _install_plan(self, order: list[int], keep_grads: bool = False) -> None:
+        p0 = self._params[0]
+        plan = plan_buckets(
+            [p.numel() for p in self._params],
+            order,
+            p0.element_size(),
+            self.config.cap_bytes,
+            self.config.first_cap_bytes(comm.backend_name(self.process_group)),
+        )
+        flat = torch.zeros(plan.total_numel, dtype=p0.dtype, device=p0.device)
+        views = [
+            flat[off : off + p.numel()].view_as(p)
+            for off, p in zip(plan.offsets, self._params, strict=True)
+        ]
+        if keep_grads:
+            for p, v in zip(self._params, views, strict=True):
+                if p.grad is not None:
+                    v.copy_(p.grad)
+                    p.grad = v
+        self._plan: BucketPlan = plan
+        self._flat = flat
+        self._views = views
+
+    @property
+    def bucket_plan(self) -> BucketPlan:
+        """The current flat layout and buckets (pure data)."""
+        return self._plan
+
+    # -- forward ------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            self._sync_this_backward = self._sync_enabled
+            self._attach_grads()
+            if self.config.broadcast_buffers:
+                buffers = list(self.module.buffers())
+                if buffers:
+                    comm.broadcast_tensors(
+                        buffers,
+                        group=self.process_group,
+                        what=f"buffer broadcast at step {self._steps_synced}",
+                    )
+        return self.module(*args, **kwargs)
+
+    def _attach_grads(self) -> None:
+        """Make every ``param.grad`` a view into the flat buffer (zeroed where it was None)."""
+        grads = [p.grad for p in self._params]
+        if all(g is None for g in grads):
+            self._flat.zero_()
+            for p, v in zip(self._params, self._views, strict=True):
+                p.grad = v
+            return
+        for p, v, g in zip(self._params, self._views, grads, strict=True):
+            if g is None:
+                v.zero_()
+                p.grad = v
+            elif g.data_ptr() != v.data_ptr():
+                v.copy_(g)
+                p.grad = v
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no communication) for forwards run inside."""
+        old = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = old
+
+    # -- backward -----------------------------------------------------------------------
+    def _reset_backward_state(self) -> None:
+        n = len(self._params)
+        self._ready = [False] * n
+        self._remaining = [len(b.params) for b in self._plan.buckets]
+        self._next_bucket = 0
+        self._pending: list[Pending] = []
+        self._in_backward = False
+        self._order_seen: list[int] = []
+
+    def _make_hook(self, i: int) -> Any:
+        def hook(p: torch.Tensor) -> None:
+            self._on_grad_ready(i, p)
+
+        return hook
+
+    def _on_grad_ready(self, i: int, p: torch.Tensor) -> None:
+        view = self._views[i]
+        g = p.grad
+        if g is not None and g.data_ptr() != view.data_ptr():
+            view.copy_(g)  # grad was reset to None after forward: move it into the buffer
+            p.grad = view
+        self._used[i] = True
+        if not self._sync_this_backward:
+            return
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        if self._ready[i]:
+            raise RuntimeError(
+                f"DataParallel: parameter {self._names[i]!r} got its gradient twice in one "
+                "backward (re-entrant checkpointing over a shared parameter?); DDP refuses "
+                "this too: use non-reentrant checkpointing"
+            )
+        self._ready[i] = True
+        self._order_seen.append(i)
+        self._remaining[self._plan.bucket_of[i]] -= 1
+        self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        buckets = self._plan.buckets
+        while self._next_bucket < len(buckets) and self._remaining[self._next_bucket] == 0:
+            b = buckets[self._next_bucket]
+            compressor = self._compressor if self._steps_synced > 0 else self._dense
+            ref = BucketRef(b.index, self._steps_synced)
+            self._pending.append(compressor.reduce(ref, self._flat[b.start : b.end], self._comm))
+            self._next_bucket += 1
+
+    def _finish_backward(self) -> None:
+        try:
+            self._flush_unready()
+            t0 = time.perf_counter()
+            for pending in self._pending:
+                pending.wait()
+            exposed = time.perf_counter() - t0
+            if self.config.find_unused_parameters:
+                self._drop_globally_unused()
+            self.last_stats = StepStats(
+                step=self._steps_synced,
+                collectives=len(self._pending),
+                wire_bytes=sum(p.wire_bytes for p in self._pending),
+                dense_bytes=self._flat.numel() * self._flat.element_size(),
+                exposed_comm_s=exposed,
+            )
+            if self._steps_synced == 0 and self.config.rebuild_buckets:
+                self._rebuild_from_observed_order()
+            self._steps_synced += 1
+            self._used = [False] * len(self._params)
+        finally:
+            self._reset_backward_state()
+
+    def _flush_unready(self) -> None:
+        unready = [i for i, r in enumerate(self._ready) if not r]
+        if unready and not self.config.find_unused_parameters:
+            names = [self._names[i] for i in unready]
+            raise RuntimeError(
+                f"DataParallel: {len(names)} parameter(s) got no gradient in step "
+                f"{self._steps_synced}: {names[:8]}; pass find_unused_parameters=True, or "
+                "make every parameter take part in the loss"
+            )
+        for i in unready:
+            p, view = self._params[i], self._views[i]
+            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                view.zero_()
+                p.grad = view
+            self._ready[i] = True
+            self._remaining[self._plan.bucket_of[i]] -= 1
+        self._launch_ready_buckets()
+
+    def _drop_globally_unused(self) -> None:
+        """A parameter no rank used keeps ``grad=None``, so optimizers skip it (as in DDP)."""
+        used = torch.tensor(self._used, dtype=torch.int32)
+        self._comm.allreduce(used, f"unused-parameter count at step {self._steps_synced}").wait()
+        for i, count in enumerate(used.tolist()):
+            if count == 0:
+                self._params[i].grad = None
+
+    def _rebuild_from_observed_order(self) -> None:
+        seen = list(dict.fromkeys(self._order_seen))
+        seen_set = set(seen)
+        rest = [i for i in self._plan.order if i not in seen_set]
+        order = torch.tensor(seen + rest, dtype=torch.int64)
+        comm.broadcast_tensors([order], group=self.process_group, what="bucket order")
+        new_order = order.tolist()
+        if tuple(new_order) != self._plan.order:
+            self._install_plan(new_order, keep_grads=True)
+
+    def sync_gradients(self) -> StepStats:
+        """Average the whole gradient buffer now, bucket by bucket (outside any backward).
+
+        Useful after accumulating under :meth:`no_sync` without a final synchronised
+        backward, and for benchmarks that time the collective path alone.
+        """
+        self._attach_grads()
+        pending = []
+        for b in self._plan.buckets:
+            ref = BucketRef(b.index, self._steps_synced)
+            pending.append(self._dense.reduce(ref, self._flat[b.start : b.end], self._comm))
+        t0 = time.perf_counter()
+        for p in pending:
+            p.wait()
+        return StepStats(
+            step=self._steps_synced,
+            collectives=len(pending),
+            wire_bytes=sum(p.wire_bytes for p in pending),
+            dense_bytes=self._flat.numel() * self._flat.element_size(),
+            exposed_comm_s=time.perf_counter() - t0,
+        )
+
+    # -- state --------------------------------------------------------------------------
+    def compression_state_dict(self) -> dict[str, Any]:
+        """The compressor's state (residuals, factors), for checkpoints."""
+        return {
+            "name": self._compressor.name,
+            "steps_synced": self._steps_synced,
+            "bucket_order": list(self._plan.order),
+            "state": self._compressor.state_dict(),
+        }
+
+    def load_compression_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("name") != self._compressor.name:
+            raise ConfigError(
+                f"checkpoint compressor {state.get('name')!r} != configured "
+                f"{self._compressor.name!r}"
+            )
+        order = list(state["bucket_order"])
+        if tuple(order) != self._plan.order:
+            self._install_plan(order, keep_grads=True)
+        self._steps_synced = int(state["steps_synced"])
+        self._compressor.load_state_dict(state["state"])
+
+    def remove_hooks(self) -> None:
+        """Detach from the module's parameters (e.g. before wrapping it again)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def _resolve_collective(allreduce: str | Collective, group: comm.Group, timeout_s: float) -> Any:
+    if isinstance(allreduce, str):
+        if allreduce != "flat":
+            raise ConfigError(
+                f"allreduce={allreduce!r} is not known here; valid: 'flat', or pass a "
+                "Collective instance (e.g. a hierarchical one built from a topology)"
+            )
+        return FlatAllreduce(group, timeout_s=timeout_s)
+    return allreduce

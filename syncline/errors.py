@@ -1,0 +1,23 @@
+"""Domain exceptions: every error syncline raises on purpose is one of these."""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; raised before any work starts.
+
+    The message names the bad value and what would be valid, in one line, so that the
+    command line can print it without a traceback.
+    """
+
+
+class CommError(RuntimeError):
+    """A collective or point-to-point operation failed or did not finish."""
+
+
+class CommTimeout(CommError):
+    """A distributed wait ran past its timeout; the message names the rank and the step."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, truncated or does not match its recorded digest."""

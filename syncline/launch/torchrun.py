@@ -1,0 +1,94 @@
+"""Start ranks with torchrun's elastic launcher (``torch.distributed.run``), never our own.
+
+We only translate syncline's options into torchrun's own arguments and hand over; a failed
+worker comes back as torchrun's ``ChildFailedError``, which :func:`launch` turns into a
+:class:`LaunchError` naming the rank, its exit code and the first lines of its error.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from syncline.errors import CommError
+
+
+class LaunchError(CommError):
+    """One or more ranks of a launched job failed."""
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What to start: ``nproc_per_node`` copies of ``python -m module *args`` per node."""
+
+    module: str
+    args: tuple[str, ...]
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    threads_per_rank: int = 1
+    log_dir: str | None = None
+
+
+def torchrun_argv(spec: LaunchSpec) -> list[str]:
+    """The ``torchrun`` command line for ``spec`` (also what a user can run by hand)."""
+    argv = [f"--nproc-per-node={spec.nproc_per_node}", "--max-restarts=0", "--monitor-interval=0.2"]
+    if spec.nnodes == 1 and not spec.rdzv_endpoint:
+        argv.append("--standalone")
+    else:
+        # static rendezvous honours --node-rank, so node i is node i (topology depends on it)
+        argv += [
+            f"--nnodes={spec.nnodes}",
+            f"--node-rank={spec.node_rank}",
+            "--rdzv-backend=static",
+            f"--rdzv-endpoint={spec.rdzv_endpoint}",
+        ]
+        host, _, port = (spec.rdzv_endpoint or "").rpartition(":")
+        argv += [f"--master-addr={host}", f"--master-port={port}"]
+    if spec.log_dir:
+        argv.append(f"--log-dir={spec.log_dir}")
+    return [*argv, "--module", spec.module, *spec.args]
+
+
+def launch(spec: LaunchSpec, argv: Sequence[str] | None = None) -> None:
+    """Run the job to completion through torchrun; raise :class:`LaunchError` on failure."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads_per_rank))
+    args = get_args_parser().parse_args(list(argv) if argv is not None else torchrun_argv(spec))
+    try:
+        run(args)
+    except ChildFailedError as exc:
+        raise LaunchError(_describe(exc)) from None
+
+
+def _describe(exc: object) -> str:
+    """Name the rank that failed first (the cause) before those stopped because of it."""
+    failures = getattr(exc, "failures", {}) or {}
+    parts = []
+    ordered = sorted(failures.items(), key=lambda kv: getattr(kv[1], "timestamp", 0))
+    for local_rank, failure in ordered:
+        rank = getattr(failure, "rank", local_rank)
+        code = getattr(failure, "exitcode", "?")
+        message = ""
+        error = getattr(failure, "message", None)
+        if isinstance(error, dict):
+            message = str(error.get("message", ""))
+        elif error:
+            message = str(error)
+        first = message.strip().splitlines()[0][:300] if message.strip() else ""
+        if first.startswith("To enable traceback"):
+            first = ""
+        reason = f"exit code {code}" + (f": {first}" if first else "")
+        if isinstance(code, int) and code < 0:
+            reason = f"killed by signal {-code}"
+        parts.append(f"rank {rank} ({reason})")
+    if not parts:
+        return "a rank failed"
+    text = f"{parts[0]} failed first"
+    if len(parts) > 1:
+        text += "; then stopped: " + ", ".join(parts[1:])
+    return text

@@ -1,0 +1,46 @@
+"""PURE (no torch): pipeline schedules as data: the action IR, generators, passes, checks.
+
+Example:
+    >>> from syncline.schedule import add_communication, bubble_fraction, one_f_one_b
+    >>> from syncline.schedule import simulate, validate
+    >>> schedule = add_communication(one_f_one_b(4, 8))
+    >>> validate(schedule)
+    >>> round(bubble_fraction(simulate(schedule, t_f=1.0, t_b=1.0)), 4)
+    0.2727
+"""
+
+from __future__ import annotations
+
+from syncline.schedule.generators import gpipe, interleaved_1f1b, one_f_one_b, two_bw
+from syncline.schedule.ir import Action, ActionKind, Schedule, ScheduleError, parse_action
+from syncline.schedule.passes import add_communication, add_recompute
+from syncline.schedule.render import (
+    Event,
+    Timeline,
+    bubble_fraction,
+    render_grid,
+    simulate,
+    to_chrome_trace,
+)
+from syncline.schedule.validate import validate
+
+__all__ = [
+    "Action",
+    "ActionKind",
+    "Event",
+    "Schedule",
+    "ScheduleError",
+    "Timeline",
+    "add_communication",
+    "add_recompute",
+    "bubble_fraction",
+    "gpipe",
+    "interleaved_1f1b",
+    "one_f_one_b",
+    "parse_action",
+    "render_grid",
+    "simulate",
+    "to_chrome_trace",
+    "two_bw",
+    "validate",
+]

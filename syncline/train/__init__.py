@@ -1,0 +1,1 @@
+"""Training loop, checkpoints, metrics and progress for ``syncline train``."""

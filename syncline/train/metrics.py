@@ -1,0 +1,74 @@
+"""Per-step metrics: a JSONL file while training, a summary and a loss-curve PNG at the end."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    loss: float
+    lr: float
+    step_s: float
+    samples_per_s: float
+    tokens_per_s: float
+    wire_bytes: int
+    collectives: int
+    exposed_comm_s: float
+    elapsed_s: float
+
+
+class MetricsLog:
+    """Appends one JSON object per recorded step; flushes so a crash keeps what was written."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.records: list[StepRecord] = []
+
+    def append(self, record: StepRecord) -> None:
+        self.records.append(record)
+        with self.path.open("a") as f:
+            f.write(json.dumps(asdict(record)) + "\n")
+
+
+def summarize(records: list[StepRecord], skip: int = 1) -> dict[str, Any]:
+    """Medians over the steady state (the first ``skip`` records include warm-up)."""
+    if not records:
+        return {}
+    steady = records[skip:] or records
+    return {
+        "steps": records[-1].step + 1,
+        "first_loss": records[0].loss,
+        "final_loss": records[-1].loss,
+        "median_samples_per_s": statistics.median(r.samples_per_s for r in steady),
+        "median_tokens_per_s": statistics.median(r.tokens_per_s for r in steady),
+        "median_step_s": statistics.median(r.step_s for r in steady),
+        "wire_bytes_per_step": statistics.median(r.wire_bytes for r in steady),
+        "collectives_per_step": statistics.median(r.collectives for r in steady),
+        "median_exposed_comm_s": statistics.median(r.exposed_comm_s for r in steady),
+        "elapsed_s": records[-1].elapsed_s,
+    }
+
+
+def plot_loss(records: list[StepRecord], path: Path, title: str) -> Path:
+    """Write the loss curve as a PNG (matplotlib's Agg backend: no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.plot([r.step for r in records], [r.loss for r in records], lw=1.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

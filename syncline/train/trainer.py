@@ -1,0 +1,180 @@
+"""The data-parallel training loop behind ``syncline train`` (one call per rank).
+
+Composition order: build the model and this rank's data shard, wrap the model in
+:class:`syncline.DataParallel`, then run warm-up + cosine-decayed steps. Rank 0 alone prints,
+records metrics, plots and writes the final checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from syncline.config import TrainConfig
+from syncline.data import ShardedBatches
+from syncline.dp.engine import DataParallel
+from syncline.models import build_model, model_loss
+from syncline.train.checkpoint import save_checkpoint
+from syncline.train.metrics import MetricsLog, StepRecord, plot_loss, summarize
+from syncline.train.progress import Progress, human_bytes
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up (Goyal et al. 2017), then cosine decay to 10 % of ``cfg.lr``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def build_model_for(cfg: TrainConfig) -> nn.Sequential:
+    """The configured reference model, initialised from ``cfg.seed``."""
+    torch.manual_seed(cfg.seed)
+    if cfg.model == "gpt":
+        return build_model(
+            "gpt",
+            block_size=cfg.seq_len,
+            n_layer=cfg.n_layer,
+            n_embd=cfg.n_embd,
+            n_head=cfg.n_head,
+        )
+    return build_model("cnn", width=cfg.cnn_width)
+
+
+def build_dataset(cfg: TrainConfig) -> tuple[Any, int]:
+    """The configured data set and the number of tokens per sample (1 for images)."""
+    if cfg.dataset == "stdlib":
+        from syncline.data import ByteDataset, stdlib_corpus
+
+        return ByteDataset(stdlib_corpus(), cfg.seq_len), cfg.seq_len
+    from syncline.data import TensorPairDataset, digits_dataset, synthetic_images
+
+    if cfg.dataset == "digits":
+        images, labels = digits_dataset()
+    else:
+        images, labels = synthetic_images(4096, 8, 10, seed=cfg.seed)
+    return TensorPairDataset(images, labels), 1
+
+
+def make_optimizer(cfg: TrainConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(
+            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> dict[str, Any]:
+    """Train on this rank; returns the run summary (complete on rank 0)."""
+    model = build_model_for(cfg).to(device)
+    loss_fn = model_loss(cfg.model)
+    dataset, tokens_per_sample = build_dataset(cfg)
+    batches = ShardedBatches(dataset, cfg.batch_size, rank, world, cfg.seed)
+    dp = DataParallel(
+        model,
+        bucket_cap_mb=cfg.bucket_cap_mb,
+        first_bucket_cap_mb=cfg.first_bucket_cap_mb,
+        timeout_s=cfg.timeout_s,
+    )
+    opt = make_optimizer(cfg, [p for p in dp.parameters() if p.requires_grad])
+    fail = cfg.failure_point()
+    run_dir = Path(cfg.run_dir)
+    log = MetricsLog(run_dir / "metrics.jsonl") if rank == 0 else None
+    progress = Progress(cfg.steps) if rank == 0 else None
+    t_start = time.perf_counter()
+    for step in range(cfg.steps):
+        if fail is not None and fail == (rank, step):
+            print(f"rank {rank}: injected failure at step {step}", file=sys.stderr, flush=True)
+            os._exit(17)
+        t0 = time.perf_counter()
+        lr = lr_at(cfg, step)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        x, y = batches.batch(step)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(dp(x), y)
+        loss.backward()
+        opt.step()
+        if (
+            log is not None
+            and progress is not None
+            and (step % cfg.log_every == 0 or step == cfg.steps - 1)
+        ):
+            value = float(loss.item())
+            dt = time.perf_counter() - t0
+            stats = dp.last_stats
+            record = StepRecord(
+                step=step,
+                loss=value,
+                lr=lr,
+                step_s=dt,
+                samples_per_s=cfg.batch_size / dt,
+                tokens_per_s=cfg.batch_size * tokens_per_sample / dt,
+                wire_bytes=stats.wire_bytes,
+                collectives=stats.collectives,
+                exposed_comm_s=stats.exposed_comm_s,
+                elapsed_s=time.perf_counter() - t_start,
+            )
+            log.append(record)
+            progress.update(
+                step, value, record.samples_per_s, record.tokens_per_s, stats.wire_bytes
+            )
+    if log is None or progress is None:
+        return {}
+    progress.close()
+    return _finish(cfg, model, opt, dp, log, world)
+
+
+def _finish(
+    cfg: TrainConfig,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    dp: DataParallel,
+    log: MetricsLog,
+    world: int,
+) -> dict[str, Any]:
+    run_dir = Path(cfg.run_dir)
+    summary = summarize(log.records)
+    summary.update(
+        model=cfg.model,
+        data=cfg.dataset,
+        world_size=world,
+        parameters=sum(p.numel() for p in model.parameters()),
+        gradient_bytes=dp.bucket_plan.total_numel * 4,
+        buckets=len(dp.bucket_plan.buckets),
+    )
+    ckpt = save_checkpoint(
+        run_dir / "checkpoint.pt",
+        {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "compression": dp.compression_state_dict(),
+            "config": cfg.to_dict(),
+            "step": cfg.steps,
+        },
+    )
+    plot_loss(log.records, run_dir / "loss.png", f"{cfg.model} on {cfg.dataset}, {world} ranks")
+    summary["checkpoint"] = str(ckpt)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(
+        f"\nsummary: {summary['steps']} steps on {world} ranks | loss "
+        f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f} | "
+        f"{summary['median_samples_per_s']:.1f} samples/s, "
+        f"{summary['median_tokens_per_s']:.0f} tokens/s (median) | "
+        f"{human_bytes(summary['wire_bytes_per_step'])} allreduced/step in "
+        f"{summary['collectives_per_step']:.0f} collective(s) | {summary['elapsed_s']:.1f}s\n"
+        f"run directory: {run_dir} (config.json, metrics.jsonl, loss.png, checkpoint.pt, "
+        "summary.json)",
+        flush=True,
+    )
+    return summary

@@ -1,0 +1,47 @@
+"""Entry point of one rank under torchrun: ``python -m syncline.train.worker CONFIG.json``.
+
+This is launcher-facing code, so it is where the environment torchrun sets is read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from syncline import comm
+from syncline.config import TrainConfig
+from syncline.train.trainer import train
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m syncline.train.worker CONFIG.json", file=sys.stderr)
+        return 2
+    with open(args[0]) as f:
+        cfg = TrainConfig.from_dict(json.load(f))
+    torch.set_num_threads(cfg.threads)
+    backend = cfg.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    rank, world = comm.init_from_env(backend=backend, timeout_s=cfg.timeout_s)
+    try:
+        train(cfg, rank, world, device)
+    finally:
+        comm.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

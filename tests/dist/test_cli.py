@@ -1,0 +1,119 @@
+"""`syncline train` end to end through torchrun: artifacts, bad input, a dying rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from syncline.train.checkpoint import load_checkpoint
+
+
+def _syncline(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "syncline.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def test_train_writes_a_complete_run_directory(tmp_path) -> None:
+    run = tmp_path / "run"
+    res = _syncline(
+        "train",
+        "--steps",
+        "12",
+        "--log-every",
+        "4",
+        "--n-layer",
+        "2",
+        "--n-embd",
+        "64",
+        "--batch-size",
+        "16",
+        "--run-dir",
+        str(run),
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "samples/s" in res.stdout and "tokens/s" in res.stdout and "summary:" in res.stdout
+    for name in ("config.json", "metrics.jsonl", "loss.png", "checkpoint.pt", "summary.json"):
+        assert (run / name).is_file(), name
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["steps"] == 12 and cfg["nproc_per_node"] == 2
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 4, 8, 11]
+    assert all(r["wire_bytes"] > 0 for r in records)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["final_loss"] < summary["first_loss"]
+    state = load_checkpoint(run / "checkpoint.pt")
+    assert state["step"] == 12 and state["config"] == cfg
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cnn_on_digits_trains(tmp_path) -> None:
+    res = _syncline(
+        "train",
+        "--model",
+        "cnn",
+        "--steps",
+        "30",
+        "--log-every",
+        "29",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.05",
+        "--batch-size",
+        "64",
+        "--run-dir",
+        str(tmp_path / "cnn"),
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    summary = json.loads((tmp_path / "cnn" / "summary.json").read_text())
+    assert summary["data"] == "digits"
+    assert summary["final_loss"] < 0.8 * summary["first_loss"]
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["--batch-size", "33"], "batch_size=33 is not divisible by the number of ranks 2"),
+        (["--model", "vit"], "unknown model 'vit'"),
+        (["--steps", "0"], "steps=0"),
+        (["--nproc-per-node", "100000"], "nproc_per_node=100000 is more than this node allows"),
+        (["--bucket-cap-mb", "-1"], "bucket_cap_mb=-1.0 must be > 0"),
+        (["--lr", "fast"], "invalid float value: 'fast'"),
+        (["--model", "cnn", "--data", "stdlib"], "does not fit model 'cnn'"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, match) -> None:
+    res = _syncline("train", "--run-dir", str(tmp_path / "bad"), *args, timeout=60)
+    assert res.returncode == 2
+    assert match in res.stderr
+    assert "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "bad").exists()  # stopped before any work
+
+
+def test_a_dying_rank_stops_the_job_with_its_name(tmp_path) -> None:
+    res = _syncline(
+        "train",
+        "--steps",
+        "50",
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "32",
+        "--inject-failure",
+        "1:3",
+        "--run-dir",
+        str(tmp_path / "dies"),
+    )
+    assert res.returncode == 1
+    assert "job failed: rank 1 (exit code 17) failed first" in res.stderr

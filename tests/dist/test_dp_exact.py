@@ -1,0 +1,133 @@
+"""DataParallel on N gloo ranks == one process on the whole batch (and DDP agrees)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from syncline import DataParallel
+from syncline.testing import RankFailure, run_ranks
+from tests.dist import toy_models
+
+STEPS = 4
+GLOBAL_BATCH = 8
+LR, MOMENTUM = 0.1, 0.9
+CASES = ("frozen", "tied", "unused", "bn")
+
+
+def _wrap(kind: str, model: torch.nn.Module, name: str) -> torch.nn.Module:
+    unused = name == "unused"
+    if kind == "syncline":
+        # a tiny bucket cap forces several buckets, so ordering and flushing are exercised
+        return DataParallel(model, find_unused_parameters=unused, bucket_cap_mb=0.0005)
+    return DDP(model, find_unused_parameters=unused, bucket_cap_mb=0.0005)
+
+
+def _train_rank(rank: int, world: int, kind: str, accumulate: int) -> dict[str, dict]:
+    out = {}
+    for name in CASES:
+        model = toy_models.make(name)
+        dp = _wrap(kind, model, name)
+        opt = torch.optim.SGD([p for p in dp.parameters() if p.requires_grad], LR, MOMENTUM)
+        local = GLOBAL_BATCH // world
+        for step in range(STEPS):
+            model.step = step
+            opt.zero_grad()
+            micro = local // accumulate
+            for k in range(accumulate):
+                x, y = toy_models.batch(name, step, GLOBAL_BATCH)
+                lo = rank * local + k * micro
+                xs, ys = x[lo : lo + micro], y[lo : lo + micro]
+                if k < accumulate - 1:
+                    with dp.no_sync():
+                        (F.cross_entropy(dp(xs), ys) / accumulate).backward()
+                else:
+                    (F.cross_entropy(dp(xs), ys) / accumulate).backward()
+            opt.step()
+        out[name] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return out
+
+
+def _reference(name: str, world: int, accumulate: int) -> dict[str, torch.Tensor]:
+    """One process: each step, the mean of the per-shard losses (shards as the ranks see them,
+    cut into ``accumulate`` micro-batches each).
+
+    Rank 0's BatchNorm buffers are what DDP-style buffer broadcast keeps, so only shard 0
+    updates the running statistics; the other shards run on a throw-away copy.
+    """
+    model = toy_models.make(name)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], LR, MOMENTUM)
+    local = GLOBAL_BATCH // world
+    for step in range(STEPS):
+        model.step = step
+        opt.zero_grad()
+        x, y = toy_models.batch(name, step, GLOBAL_BATCH)
+        micro = local // accumulate
+        for r in range(world):
+            for k in range(accumulate):
+                lo = r * local + k * micro
+                xs, ys = x[lo : lo + micro], y[lo : lo + micro]
+                saved = copy.deepcopy(list(model.buffers())) if r > 0 else None
+                (F.cross_entropy(model(xs), ys) / (world * accumulate)).backward()
+                if saved is not None:
+                    for b, s in zip(model.buffers(), saved, strict=True):
+                        b.copy_(s)
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[tuple[str, int, int], list[dict]]:
+    runs = {}
+    for kind, world, accumulate in [
+        ("syncline", 2, 1),
+        ("ddp", 2, 1),
+        ("syncline", 4, 1),
+        ("syncline", 2, 2),
+    ]:
+        runs[(kind, world, accumulate)] = run_ranks(_train_rank, world, kind, accumulate)
+    return runs
+
+
+def _assert_state_equal(got: dict, want: dict, buffers_too: bool) -> None:
+    for key, value in want.items():
+        if not buffers_too and ("running" in key or "num_batches" in key):
+            continue
+        torch.testing.assert_close(got[key], value, atol=1e-5, rtol=0, msg=key)
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize(
+    "run", [("syncline", 2, 1), ("ddp", 2, 1), ("syncline", 4, 1), ("syncline", 2, 2)]
+)
+def test_matches_single_process(results, run, name) -> None:
+    kind, world, accumulate = run
+    want = _reference(name, world, accumulate)
+    per_rank = results[run]
+    for rank, states in enumerate(per_rank):
+        _assert_state_equal(states[name], want, buffers_too=rank == 0)
+    # the reference really moved: a no-op engine could not pass
+    start = toy_models.make(name).state_dict()
+    moved = [k for k in start if "weight" in k and not torch.equal(start[k], want[k])]
+    assert moved
+
+
+def test_training_moves_frozen_nothing(results) -> None:
+    start = toy_models.make("frozen").state_dict()
+    for states in results[("syncline", 2, 1)]:
+        assert torch.equal(states["frozen"]["a.weight"], start["a.weight"])
+
+
+def _unused_without_flag(rank: int, world: int) -> None:
+    model = DataParallel(toy_models.make("unused"))
+    x, y = toy_models.batch("unused", 0, 4)
+    F.cross_entropy(model(x), y).backward()
+
+
+def test_unused_parameter_without_flag_is_a_clear_error() -> None:
+    with pytest.raises(RankFailure, match="find_unused_parameters=True"):
+        run_ranks(_unused_without_flag, 2)
