@@ -25,8 +25,9 @@ class DataParallelConfig:
             overlap it for free (DDP's choice), and ``bucket_cap_mb`` on gloo, where the
             collective runs on the same CPU cores as backward, so an extra early collective
             only adds latency and contention (measured: benchmarks/dp_vs_ddp.py).
-        broadcast_buffers: broadcast rank 0's buffers (e.g. BatchNorm statistics) at every
-            training forward, as DDP does.
+        broadcast_buffers: give every rank rank 0's buffers (e.g. BatchNorm statistics) for
+            every training forward, as DDP does; sent asynchronously right after each forward
+            so the message overlaps backward instead of delaying the next forward.
         find_unused_parameters: allow parameters that get no gradient in a step; they are
             reduced as zeros, and a parameter unused on every rank keeps ``grad=None``.
         rebuild_buckets: after the first synchronised backward, re-lay the flat buffer in the

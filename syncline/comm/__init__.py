@@ -1,11 +1,17 @@
 """The only layer that calls ``torch.distributed``: groups, collectives, timeouts."""
 
-from syncline.comm.collectives import Collective, FlatAllreduce, Pending
+from syncline.comm.collectives import (
+    Collective,
+    FlatAllreduce,
+    Pending,
+    broadcast_tensors,
+    broadcast_tensors_async,
+    completed,
+)
 from syncline.comm.groups import (
     Group,
     backend_name,
     barrier,
-    broadcast_tensors,
     destroy,
     group_rank,
     group_size,
@@ -22,6 +28,8 @@ __all__ = [
     "backend_name",
     "barrier",
     "broadcast_tensors",
+    "broadcast_tensors_async",
+    "completed",
     "destroy",
     "group_rank",
     "group_size",

@@ -8,7 +8,7 @@ collective's business, so a new algorithm plugs in without touching the engine's
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -132,3 +132,55 @@ class FlatAllreduce:
         except RuntimeError as exc:
             raise CommError(f"rank {self.rank}: {what} could not start: {exc}") from exc
         return self._pending(work, what, tensor.numel() * tensor.element_size()), out
+
+
+def broadcast_tensors_async(
+    tensors: Sequence[torch.Tensor],
+    *,
+    src: int = 0,
+    group: Group = None,
+    what: str = "broadcast",
+    timeout_s: float = 300.0,
+) -> Pending:
+    """Start broadcasting ``tensors`` from ``src`` (a rank *within* ``group``) as ONE message.
+
+    Tensors of any mix of dtypes are packed as raw bytes into one buffer: a model has tens to
+    hundreds of parameters and buffers (BatchNorm keeps float statistics and an int64
+    counter), and each extra message costs a full latency. The snapshot is taken now; the
+    receivers' tensors are overwritten when the returned :class:`Pending` is waited on.
+    """
+    rank = group_rank(group)
+    if group_size(group) == 1 or not tensors:
+        return completed(what)
+    global_src = src if group is None else dist.get_global_rank(group, src)
+    # each tensor starts on a 16-byte boundary so that its bytes can be viewed back as its dtype
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // 16) * 16
+    flat = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
+    with torch.no_grad():
+        for t, off in zip(tensors, offsets, strict=True):
+            n = t.numel() * t.element_size()
+            flat[off : off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    try:
+        work = dist.broadcast(flat, src=global_src, group=group, async_op=True)
+    except RuntimeError as exc:
+        raise CommError(f"rank {rank}: {what} could not start: {exc}") from exc
+
+    def unpack() -> None:
+        if rank == src:
+            return
+        with torch.no_grad():
+            for t, off in zip(tensors, offsets, strict=True):
+                n = t.numel() * t.element_size()
+                t.copy_(flat[off : off + n].view(t.dtype).view(t.shape))
+
+    return Pending([work], what, timeout_s, rank, then=unpack, wire_bytes=flat.numel())
+
+
+def broadcast_tensors(
+    tensors: Sequence[torch.Tensor], *, src: int = 0, group: Group = None, what: str = "broadcast"
+) -> None:
+    """Blocking :func:`broadcast_tensors_async`."""
+    broadcast_tensors_async(tensors, src=src, group=group, what=what).wait()

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Sequence
 
-import torch
 import torch.distributed as dist
 
 from syncline.errors import CommError, ConfigError
@@ -103,31 +101,3 @@ def barrier(group: Group = None, *, timeout_s: float | None = None, what: str = 
             dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout_s))
     except RuntimeError as exc:
         raise CommError(f"rank {group_rank(group)}: {what} failed: {exc}") from exc
-
-
-def broadcast_tensors(
-    tensors: Sequence[torch.Tensor], *, src: int = 0, group: Group = None, what: str = "broadcast"
-) -> None:
-    """Broadcast tensors from ``src`` (a rank *within* ``group``) in place, one message per dtype.
-
-    Coalescing matters: a model has tens to hundreds of parameters, and one message per
-    tensor costs one latency each.
-    """
-    if group_size(group) == 1 or not tensors:
-        return
-    global_src = src if group is None else dist.get_global_rank(group, src)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for group_tensors in by_dtype.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
-        try:
-            dist.broadcast(flat, src=global_src, group=group)
-        except RuntimeError as exc:
-            raise CommError(f"rank {group_rank(group)}: {what} failed: {exc}") from exc
-        offset = 0
-        with torch.no_grad():
-            for t in group_tensors:
-                n = t.numel()
-                t.copy_(flat[offset : offset + n].view_as(t))
-                offset += n

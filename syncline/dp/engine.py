@@ -125,6 +125,8 @@ class DataParallel(nn.Module):
             p.register_post_accumulate_grad_hook(self._make_hook(i))
             for i, p in enumerate(self._params)
         ]
+        self._world_size = comm.group_size(process_group)
+        self._buffer_sync: Pending | None = None
         self._sync_enabled = True
         self._sync_this_backward = True
         self._used = [False] * len(self._params)
@@ -163,18 +165,38 @@ class DataParallel(nn.Module):
 
     # -- forward ------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled():
-            self._sync_this_backward = self._sync_enabled
-            self._attach_grads()
-            if self.config.broadcast_buffers:
-                buffers = list(self.module.buffers())
-                if buffers:
-                    comm.broadcast_tensors(
-                        buffers,
-                        group=self.process_group,
-                        what=f"buffer broadcast at step {self._steps_synced}",
-                    )
-        return self.module(*args, **kwargs)
+        self.finish_buffer_sync()
+        if not torch.is_grad_enabled():
+            return self.module(*args, **kwargs)
+        self._sync_this_backward = self._sync_enabled
+        self._attach_grads()
+        out = self.module(*args, **kwargs)
+        if self.config.broadcast_buffers and self._world_size > 1:
+            self._start_buffer_sync()
+        return out
+
+    def _start_buffer_sync(self) -> None:
+        """Send rank 0's buffers (as they are after this forward) to all, off the critical path.
+
+        DDP broadcasts buffers synchronously *before* every forward. Buffers only change in
+        forward (BatchNorm's running statistics), so sending them right *after* it carries the
+        same values to the same next forward, while the message overlaps backward; receivers
+        apply it at the end of backward (or at the next forward, whichever comes first).
+        """
+        buffers = list(self.module.buffers())
+        if buffers:
+            self._buffer_sync = comm.broadcast_tensors_async(
+                buffers,
+                group=self.process_group,
+                what=f"buffer broadcast at step {self._steps_synced}",
+                timeout_s=self.config.timeout_s,
+            )
+
+    def finish_buffer_sync(self) -> None:
+        """Apply a buffer broadcast still in flight (called before forward and after backward)."""
+        pending, self._buffer_sync = self._buffer_sync, None
+        if pending is not None:
+            pending.wait()
 
     def _attach_grads(self) -> None:
         """Make every ``param.grad`` a view into the flat buffer (zeroed where it was None)."""
@@ -256,6 +278,7 @@ class DataParallel(nn.Module):
             t0 = time.perf_counter()
             for pending in self._pending:
                 pending.wait()
+            self.finish_buffer_sync()
             exposed = time.perf_counter() - t0
             if self.config.find_unused_parameters:
                 self._drop_globally_unused()

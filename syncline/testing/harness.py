@@ -137,6 +137,19 @@ def _status(workdir: str, rank: int) -> str | None:
         return f.read()
 
 
+def _first_failure(procs: list[Any], workdir: str) -> RankFailure:
+    """The rank that failed first: later failures are usually peers losing their connection."""
+    time.sleep(0.5)
+    failed = []
+    for rank in range(len(procs)):
+        path = os.path.join(workdir, f"rank{rank}.status")
+        status = _status(workdir, rank)
+        if status is not None and status.startswith("error"):
+            failed.append((os.stat(path).st_mtime_ns, rank, status))
+    _, rank, status = min(failed)
+    return RankFailure(rank, status.removeprefix("error\n").strip())
+
+
 def _wait_all(procs: list[Any], workdir: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -144,7 +157,7 @@ def _wait_all(procs: list[Any], workdir: str, timeout_s: float) -> None:
         for rank, p in enumerate(procs):
             status = _status(workdir, rank)
             if status is not None and status.startswith("error"):
-                raise RankFailure(rank, status.removeprefix("error\n").strip())
+                raise _first_failure(procs, workdir)
             if status is None and not p.is_alive():
                 p.join(timeout=1)
                 status = _status(workdir, rank)

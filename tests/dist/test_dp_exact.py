@@ -105,7 +105,7 @@ def _assert_state_equal(got: dict, want: dict, buffers_too: bool) -> None:
     "run", [("syncline", 2, 1), ("ddp", 2, 1), ("syncline", 4, 1), ("syncline", 2, 2)]
 )
 def test_matches_single_process(results, run, name) -> None:
-    kind, world, accumulate = run
+    _kind, world, accumulate = run
     want = _reference(name, world, accumulate)
     per_rank = results[run]
     for rank, states in enumerate(per_rank):

@@ -1,0 +1,67 @@
+"""Per-bucket state tensors (residuals, momenta, factors) and their checkpoint form.
+
+Compressors key state on :attr:`BucketRef.index`; a checkpoint holds plain clones so that
+``load_state_dict`` restores the exact bits and the next step is bit-identical.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from syncline.errors import ConfigError
+
+BucketState = dict[int, dict[str, torch.Tensor]]
+
+
+def save_buckets(buckets: BucketState) -> dict[int, dict[str, torch.Tensor]]:
+    """Deep copy of every bucket's tensors (so later steps cannot change the checkpoint)."""
+    return {i: {k: t.detach().clone() for k, t in d.items()} for i, d in buckets.items()}
+
+
+def load_buckets(state: Any, owner: str) -> BucketState:
+    """Inverse of :func:`save_buckets`, with a readable error on a malformed checkpoint."""
+    if not isinstance(state, dict):
+        raise ConfigError(f"{owner}: bucket state must be a dict, got {type(state).__name__}")
+    return {int(i): {k: t.detach().clone() for k, t in d.items()} for i, d in state.items()}
+
+
+def check_numel(owner: str, index: int, have: torch.Tensor, numel: int) -> None:
+    """A saved bucket must match the bucket it is applied to (same layout as when saved)."""
+    if have.numel() != numel:
+        raise ConfigError(
+            f"{owner}: bucket {index} has {numel} elements but its state has "
+            f"{have.numel()}; the bucket layout changed since the state was created "
+            "(load the checkpoint into a model with the same parameters and bucket_cap_mb)"
+        )
+
+
+def check_range(
+    owner: str,
+    name: str,
+    value: float,
+    lo: float,
+    hi: float | None,
+    *,
+    lo_open: bool = False,
+    hi_open: bool = False,
+) -> None:
+    """Raise :class:`ConfigError` naming ``name=value`` and the valid range if it is outside."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{owner}: {name}={value!r} must be a number")
+    above_lo = value > lo if lo_open else value >= lo
+    below_hi = True if hi is None else (value < hi if hi_open else value <= hi)
+    if not (above_lo and below_hi):  # written so that NaN is rejected too
+        left = f"{lo} {'<' if lo_open else '<='} {name}"
+        right = "" if hi is None else f" {'<' if hi_open else '<='} {hi}"
+        raise ConfigError(f"{owner}: {name}={value!r} is out of range; valid: {left}{right}")
+
+
+def check_int(owner: str, name: str, value: Any, lo: int) -> int:
+    """``value`` must be an integer >= ``lo`` (bools are refused)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{owner}: {name}={value!r} must be an integer >= {lo}")
+    if value < lo:
+        raise ConfigError(f"{owner}: {name}={value!r} is out of range; valid: {name} >= {lo}")
+    return value

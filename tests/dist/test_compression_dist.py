@@ -1,0 +1,241 @@
+"""Compressors on 2 and 4 gloo ranks: agreement across ranks, accuracy, bytes, and training.
+
+Every rank's local gradients are a pure function of (rank, step, bucket), so the parent
+process can recompute what each compressor should have produced.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from syncline import DataParallel
+from syncline.comm import FlatAllreduce
+from syncline.dp.compression import BucketRef
+from syncline.dp.compressors import build_compressor
+from syncline.dp.compressors import chunks as ch
+from syncline.dp.compressors.powersgd import matrix_shape
+from syncline.dp.compressors.topk import topk_count
+from syncline.testing import run_ranks
+
+SIZES = (300, 77)  # two buckets; the second has a short last chunk
+STEPS = 3
+CHUNK = 8
+SPECS = (
+    "fp16",
+    "bf16",
+    f"csc:0.2:chunk={CHUNK}",
+    f"csc:0.2:chunk={CHUNK}:warmup=2",
+    "topk:0.05",
+    "powersgd:2",
+)
+
+
+def local_grad(rank: int, step: int, bucket: int) -> torch.Tensor:
+    """Different on every rank; rank r also has one heavy chunk of its own (chunk 3r), so
+    that each rank's local top chunks differ from the globally agreed ones."""
+    gen = torch.Generator().manual_seed(1000 * rank + 10 * step + bucket)
+    g = torch.randn(SIZES[bucket], generator=gen)
+    g[3 * rank * CHUNK : (3 * rank + 1) * CHUNK] += 4.0
+    return g
+
+
+def _reduce_rank(rank: int, world: int) -> dict:
+    comm = FlatAllreduce(timeout_s=60.0)
+    out: dict = {}
+    for spec in SPECS:
+        comp = build_compressor(spec)
+        steps = []
+        for step in range(1, STEPS + 1):
+            grads = [local_grad(rank, step, b) for b in range(len(SIZES))]
+            pendings = [comp.reduce(BucketRef(b, step), g, comm) for b, g in enumerate(grads)]
+            for p in pendings:
+                p.wait()
+            steps.append(
+                {
+                    "out": grads,
+                    "wire": [p.wire_bytes for p in pendings],
+                    "selection": [
+                        t.clone() for _, t in sorted(getattr(comp, "last_selection", {}).items())
+                    ],
+                    "state": comp.state_dict(),
+                }
+            )
+        out[spec] = steps
+    return out
+
+
+def _mean(world: int, step: int, bucket: int) -> torch.Tensor:
+    return torch.stack([local_grad(r, step, bucket) for r in range(world)]).mean(0)
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def reduced(request: pytest.FixtureRequest) -> tuple[int, list[dict]]:
+    world = request.param
+    return world, run_ranks(_reduce_rank, world, timeout_s=120.0)
+
+
+def test_every_compressor_gives_identical_results_on_all_ranks(reduced) -> None:
+    world, results = reduced
+    for spec in SPECS:
+        for step in range(STEPS):
+            for r in range(1, world):
+                for a, b in zip(
+                    results[0][spec][step]["out"], results[r][spec][step]["out"], strict=True
+                ):
+                    assert torch.equal(a, b), (spec, step, r)
+
+
+@pytest.mark.parametrize(("spec", "eps"), [("fp16", 2.0**-11), ("bf16", 2.0**-8)])
+def test_half_width_equals_the_fp32_average_to_its_precision(reduced, spec, eps) -> None:
+    world, results = reduced
+    for step in range(STEPS):
+        for b, n in enumerate(SIZES):
+            mean = _mean(world, step + 1, b)
+            got = results[0][spec][step]["out"][b]
+            # each of the p-1 in-collective additions rounds once, plus the final cast
+            bound = (
+                world
+                * eps
+                * torch.stack([local_grad(r, step + 1, b).abs() / world for r in range(world)]).sum(
+                    0
+                )
+            )
+            assert torch.all((got - mean).abs() <= bound + 1e-7), (spec, step, b)
+            assert results[0][spec][step]["wire"][b] == 2 * n
+
+
+def test_csc_agrees_on_the_same_chunks_though_local_gradients_differ(reduced) -> None:
+    world, results = reduced
+    spec = SPECS[2]
+    for b, n in enumerate(SIZES):
+        n_chunks = ch.num_chunks(n, CHUNK)
+        k = ch.chunks_to_send(0.2, n_chunks)
+        # step 1 from a zero state: u = g, v = u, so the scores are those of g
+        grads = [local_grad(r, 1, b) for r in range(world)]
+        total = torch.stack([ch.chunk_scores(g, CHUNK) for g in grads]).sum(0)
+        expected = ch.select_chunks(total, k)
+        local_picks = {
+            tuple(ch.select_chunks(ch.chunk_scores(g, CHUNK), k).tolist()) for g in grads
+        }
+        assert len(local_picks) > 1  # ranks would disagree if each chose for itself
+        for r in range(world):
+            assert torch.equal(results[r][spec][0]["selection"][b], expected)
+        mask = ch.element_mask(expected, n_chunks, CHUNK, n)
+        got = results[0][spec][0]["out"][b]
+        torch.testing.assert_close(got[mask], _mean(world, 1, b)[mask], atol=2e-3, rtol=2e-3)
+        assert not got[~mask].any()
+        sent = sum(min(CHUNK, n - j * CHUNK) for j in expected.tolist())
+        assert results[0][spec][0]["wire"][b] == 4 * n_chunks + 2 * sent
+    # the selection moves over steps (error feedback brings the unsent chunks back)
+    firsts = [results[0][spec][s]["selection"][0].tolist() for s in range(STEPS)]
+    assert firsts[0] != firsts[1]
+
+
+def test_csc_warmup_is_dense_then_sparse(reduced) -> None:
+    world, results = reduced
+    steps = results[0][SPECS[3]]
+    for b, n in enumerate(SIZES):
+        assert steps[0]["wire"][b] == 2 * n  # step 1 < warmup=2: all of v in fp16
+        assert steps[1]["wire"][b] < 2 * n
+        torch.testing.assert_close(steps[0]["out"][b], _mean(world, 1, b), atol=5e-3, rtol=2e-3)
+
+
+def test_topk_sums_every_ranks_own_top_k(reduced) -> None:
+    world, results = reduced
+    for b, n in enumerate(SIZES):
+        k = topk_count(0.05, n)
+        expected = torch.zeros(n)
+        for r in range(world):
+            g = local_grad(r, 1, b)
+            idx = torch.topk(g.abs(), k).indices
+            expected[idx] += g[idx]
+        torch.testing.assert_close(results[0]["topk:0.05"][0]["out"][b], expected / world)
+        assert results[0]["topk:0.05"][0]["wire"][b] == k * (4 + 4)
+
+
+def test_powersgd_mean_of_local_approximations_plus_residuals(reduced) -> None:
+    world, results = reduced
+    spec = "powersgd:2"
+    for step in range(STEPS):
+        for b, n in enumerate(SIZES):
+            before = [
+                results[r][spec][step - 1]["state"]["buckets"][b]["residual"]
+                if step
+                else torch.zeros(n)
+                for r in range(world)
+            ]
+            after = [
+                results[r][spec][step]["state"]["buckets"][b]["residual"] for r in range(world)
+            ]
+            m = torch.stack([before[r] + local_grad(r, step + 1, b) for r in range(world)]).mean(0)
+            got = results[0][spec][step]["out"][b] + torch.stack(after).mean(0)
+            torch.testing.assert_close(got, m, atol=1e-4, rtol=1e-4)
+            rows, cols = matrix_shape(n)
+            assert results[0][spec][step]["wire"][b] == 4 * 2 * (rows + cols)
+
+
+# -- training --------------------------------------------------------------------------
+TRAIN_SPECS = ("none", "fp16", "bf16", "csc:0.25:chunk=16", "topk:0.1", "powersgd:2")
+TRAIN_STEPS = 40
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)
+    )
+
+
+def _train_rank(rank: int, world: int) -> dict:
+    teacher = _mlp()
+    teacher.load_state_dict({k: v * 2 for k, v in _seeded_mlp(7).state_dict().items()})
+    out = {}
+    for spec in TRAIN_SPECS:
+        model = _seeded_mlp(0)
+        dp = DataParallel(model, bucket_cap_mb=0.0005, compression=build_compressor(spec))
+        opt = torch.optim.SGD(dp.parameters(), lr=0.1, momentum=0.0)
+        losses, wire = [], []
+        for step in range(TRAIN_STEPS):
+            gen = torch.Generator().manual_seed(100 * step + rank)
+            x = torch.randn(32, 16, generator=gen)
+            with torch.no_grad():
+                y = teacher(x)
+            opt.zero_grad()
+            loss = F.mse_loss(dp(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            wire.append(dp.last_stats.wire_bytes)
+        params = torch.cat([p.detach().flatten() for p in model.parameters()])
+        out[spec] = {
+            "losses": losses,
+            "wire": wire,
+            "dense": dp.last_stats.dense_bytes,
+            "buckets": len(dp.bucket_plan.buckets),
+            "params": params,
+        }
+    return out
+
+
+def _seeded_mlp(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return _mlp()
+
+
+def test_data_parallel_training_with_every_compressor_decreases_loss() -> None:
+    results = run_ranks(_train_rank, 2, timeout_s=120.0)
+    for spec in TRAIN_SPECS:
+        r0, r1 = results[0][spec], results[1][spec]
+        assert torch.equal(r0["params"], r1["params"]), spec  # replicas stay identical
+        assert r0["buckets"] > 1, spec  # several buckets: the two-phase order is exercised
+        first = sum(r0["losses"][:3]) / 3
+        last = sum(r0["losses"][-5:]) / 5
+        assert last < 0.6 * first, (spec, first, last)
+        dense = r0["dense"]
+        assert r0["wire"][0] == dense  # step 0 is always lossless fp32
+        if spec != "none":
+            assert max(r0["wire"][1:]) <= dense // 2 + 1, spec
+        if spec in ("fp16", "bf16"):
+            assert r0["wire"][1:] == [dense // 2] * (TRAIN_STEPS - 1)

@@ -1,0 +1,404 @@
+"""Compressors on one process: chunk arithmetic, error feedback, state, specs and errors.
+
+With no process group running, :class:`FlatAllreduce` is the real world-size-1 collective
+(nothing goes on the wire), so every compressor runs its real code path here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from syncline.comm import FlatAllreduce, Pending
+from syncline.dp.compression import BucketRef, NoCompression
+from syncline.dp.compressors import BF16, CSC, FP16, PowerSGD, TopK, build_compressor
+from syncline.dp.compressors import chunks as ch
+from syncline.dp.compressors.powersgd import is_worth_compressing, matrix_shape
+from syncline.dp.compressors.topk import topk_count
+from syncline.errors import ConfigError
+
+COMM = FlatAllreduce()
+
+
+def _reduce(comp, grad: torch.Tensor, step: int = 1, index: int = 0) -> torch.Tensor:
+    out = grad.clone()
+    comp.reduce(BucketRef(index, step), out, COMM).wait()
+    return out
+
+
+def _grad(seed: int, n: int) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+# -- chunk arithmetic (pure) -----------------------------------------------------------
+@pytest.mark.parametrize(
+    ("numel", "chunk", "expected"), [(1, 1, 1), (8, 8, 1), (9, 8, 2), (50, 8, 7), (64, 8, 8)]
+)
+def test_num_chunks(numel: int, chunk: int, expected: int) -> None:
+    assert ch.num_chunks(numel, chunk) == expected
+
+
+@pytest.mark.parametrize(
+    ("density", "n_chunks", "k"),
+    [(0.01, 100, 1), (0.07, 100, 7), (0.05, 200, 10), (0.3, 7, 3), (1e-6, 5, 1), (1.0, 9, 9)],
+)
+def test_chunks_to_send_is_ceil_of_density(density: float, n_chunks: int, k: int) -> None:
+    assert ch.chunks_to_send(density, n_chunks) == k
+
+
+def test_chunk_scores_are_l1_norms_with_a_short_last_chunk() -> None:
+    v = torch.tensor([1.0, -2.0, 3.0, -4.0, 5.0])
+    assert ch.chunk_scores(v, 2).tolist() == [3.0, 7.0, 5.0]
+
+
+@pytest.mark.parametrize(
+    ("scores", "k", "expected"),
+    [
+        ([1.0, 3.0, 3.0, 2.0], 2, [1, 2]),
+        ([1.0, 3.0, 3.0, 2.0], 1, [1]),  # tie between 1 and 2: lowest index wins
+        ([5.0, 5.0, 5.0, 5.0], 2, [0, 1]),
+        ([0.0, 0.0, 7.0, 0.0, 0.0], 3, [0, 1, 2]),
+        ([2.0, 1.0, 2.0, 1.0, 2.0], 4, [0, 1, 2, 4]),
+    ],
+)
+def test_select_chunks_breaks_ties_by_lowest_index(
+    scores: list[float], k: int, expected: list[int]
+) -> None:
+    assert ch.select_chunks(torch.tensor(scores), k).tolist() == expected
+
+
+def test_select_chunks_is_deterministic_on_many_ties() -> None:
+    scores = torch.ones(1000)
+    scores[::7] = 2.0
+    picks = {tuple(ch.select_chunks(scores, 200).tolist()) for _ in range(5)}
+    assert len(picks) == 1
+    chosen = next(iter(picks))
+    top = list(range(0, 1000, 7))
+    assert list(chosen) == sorted(top + [i for i in range(1000) if i % 7][: 200 - len(top)])
+
+
+def test_element_mask_covers_the_selected_chunks_only() -> None:
+    mask = ch.element_mask(torch.tensor([0, 2]), 3, 2, 5)
+    assert mask.tolist() == [True, True, False, False, True]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    numel=st.integers(1, 300),
+    chunk=st.integers(1, 40),
+    density=st.floats(0.01, 1.0),
+    seed=st.integers(0, 2**16),
+)
+def test_pack_unpack_round_trip(numel: int, chunk: int, density: float, seed: int) -> None:
+    v = _grad(seed, numel)
+    n_chunks = ch.num_chunks(numel, chunk)
+    k = ch.chunks_to_send(density, n_chunks)
+    selected = ch.select_chunks(ch.chunk_scores(v, chunk), k)
+    mask = ch.element_mask(selected, n_chunks, chunk, numel)
+    payload = ch.pack(v, mask)
+    out = torch.full_like(v, 99.0)
+    ch.unpack(payload, mask, out)
+    assert torch.equal(out, torch.where(mask, v, torch.zeros_like(v)))
+    sizes = [min(chunk, numel - j * chunk) for j in selected.tolist()]
+    assert payload.numel() == sum(sizes)
+    assert len(selected) == k
+
+
+# -- half width ------------------------------------------------------------------------
+@pytest.mark.parametrize(("comp", "rel"), [(FP16(), 2.0**-11), (BF16(), 2.0**-8)])
+def test_half_width_round_trip_within_precision(comp, rel: float) -> None:
+    g = _grad(0, 1000)
+    out = _reduce(comp, g)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, g.to(comp.wire_dtype).float())
+    assert torch.all((out - g).abs() <= rel * g.abs() + 1e-30)
+
+
+# -- CSC -------------------------------------------------------------------------------
+def test_csc_density_one_equals_dense() -> None:
+    g = _grad(1, 103)
+    csc = CSC(1.0, chunk_elems=8, momentum=0.0, wire_dtype=torch.float32)
+    assert torch.equal(_reduce(csc, g), _reduce(NoCompression(), g))
+    assert csc.last_selection[0].tolist() == list(range(13))
+    state = csc.state_dict()["buckets"][0]
+    assert not state["u"].any() and not state["v"].any()
+
+
+def test_csc_error_feedback_bookkeeping_over_steps() -> None:
+    n, chunk, m = 50, 8, 0.9
+    csc = CSC(0.3, chunk_elems=chunk, momentum=m, wire_dtype=torch.float32)
+    u = torch.zeros(n)
+    v = torch.zeros(n)
+    for step in range(1, 6):
+        g = _grad(step, n)
+        u_new = m * u + g
+        v_acc = v + u_new
+        sent = _reduce(csc, g, step)
+        state = csc.state_dict()["buckets"][0]
+        selected = csc.last_selection[0]
+        assert selected.tolist() == ch.select_chunks(ch.chunk_scores(v_acc, chunk), 3).tolist()
+        mask = ch.element_mask(selected, 7, chunk, n)
+        # what was sent plus what stays is exactly what had accumulated
+        assert torch.equal(sent + state["v"], v_acc)
+        assert torch.equal(sent, torch.where(mask, v_acc, torch.zeros(n)))
+        # momentum factor masking: u is zeroed on the sent chunks, kept elsewhere
+        assert torch.equal(state["u"], torch.where(mask, torch.zeros(n), u_new))
+        u, v = state["u"], state["v"]
+
+
+def test_csc_warmup_sends_everything_with_the_same_bookkeeping() -> None:
+    g = _grad(2, 40)
+    csc = CSC(0.1, chunk_elems=8, warmup_steps=3, momentum=0.5, wire_dtype=torch.float32)
+    assert torch.equal(_reduce(csc, g, step=2), g)
+    assert csc.last_selection[0].tolist() == [0, 1, 2, 3, 4]
+    sparse = _reduce(csc, g, step=3)
+    assert csc.last_selection[0].numel() == 1
+    assert (sparse != 0).sum() == 8
+
+
+def test_csc_fp16_wire_rounds_only_the_sent_values() -> None:
+    g = _grad(3, 64)
+    csc = CSC(0.5, chunk_elems=8, momentum=0.0)
+    out = _reduce(csc, g)
+    mask = ch.element_mask(csc.last_selection[0], 8, 8, 64)
+    assert torch.equal(out[mask], g[mask].half().float())
+    assert not out[~mask].any()
+
+
+class _Recording:
+    """The real collective, with a log of what was issued (to check the issue order)."""
+
+    def __init__(self) -> None:
+        self.inner = FlatAllreduce()
+        self.log: list[str] = []
+        self.rank, self.world_size, self.timeout_s = 0, 1, 10.0
+
+    def allreduce(self, tensor: torch.Tensor, what: str) -> Pending:
+        self.log.append(what.removesuffix(" at step 1"))
+        return self.inner.allreduce(tensor, what)
+
+    def allgather(self, tensor: torch.Tensor, what: str) -> tuple[Pending, list[torch.Tensor]]:
+        self.log.append(what)
+        return self.inner.allgather(tensor, what)
+
+
+@pytest.mark.parametrize("wait_order", [[0, 1, 2], [2, 1, 0], [1, 0, 2]])
+def test_two_phase_issue_order_depends_on_call_order_only(wait_order: list[int]) -> None:
+    comm = _Recording()
+    csc = CSC(0.25, chunk_elems=4, momentum=0.0, wire_dtype=torch.float32)
+    grads = [_grad(i, 32) for i in range(3)]
+    pendings = [csc.reduce(BucketRef(i, 1), grads[i], comm) for i in range(3)]
+    # bucket b's scores go out before bucket b-1's payload (see _pending.PhaseOrder)
+    assert comm.log == [
+        "csc scores of bucket 0",
+        "csc scores of bucket 1",
+        "csc payload of bucket 0",
+        "csc scores of bucket 2",
+        "csc payload of bucket 1",
+    ]
+    for i in wait_order:
+        pendings[i].wait()
+    assert comm.log[5:] == ["csc payload of bucket 2"]
+    for i in range(3):
+        assert (grads[i] != 0).sum() == 8
+
+
+# -- TopK ------------------------------------------------------------------------------
+def test_topk_error_feedback_keeps_exactly_what_was_not_sent() -> None:
+    n = 200
+    topk = TopK(0.05)
+    residual = torch.zeros(n)
+    for step in range(1, 5):
+        g = _grad(10 + step, n)
+        acc = residual + g
+        sent = _reduce(topk, g, step)
+        residual = topk.state_dict()["buckets"][0]["residual"]
+        assert torch.equal(sent + residual, acc)
+        assert int((sent != 0).sum()) == topk_count(0.05, n) == 10
+        kept = acc[sent == 0].abs().max()
+        assert torch.all(sent[sent != 0].abs() >= kept)
+
+
+@pytest.mark.parametrize(("ratio", "n", "k"), [(0.01, 100, 1), (0.07, 100, 7), (1e-9, 10, 1)])
+def test_topk_count(ratio: float, n: int, k: int) -> None:
+    assert topk_count(ratio, n) == k
+
+
+# -- PowerSGD --------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("numel", "shape"),
+    [(1, (1, 1)), (10, (3, 4)), (16, (4, 4)), (17, (4, 5)), (1000, (32, 32)), (1025, (32, 33))],
+)
+def test_matrix_shape_is_near_square_with_little_padding(numel: int, shape: tuple) -> None:
+    rows, cols = matrix_shape(numel)
+    assert (rows, cols) == shape
+    assert 0 <= rows * cols - numel < cols
+
+
+def test_powersgd_recovers_a_low_rank_bucket_exactly() -> None:
+    rows, cols = matrix_shape(900)
+    a, b = _grad(4, rows), _grad(5, cols)
+    g = torch.outer(a, b).flatten()[:900]  # rank 1 (padding is the last zeros)
+    out = _reduce(PowerSGD(rank=2), g)
+    torch.testing.assert_close(out, g, atol=1e-5, rtol=1e-5)
+
+
+def test_powersgd_error_feedback_and_warm_start() -> None:
+    ps = PowerSGD(rank=2)
+    residual = torch.zeros(400)
+    q_before = None
+    for step in range(1, 4):
+        g = _grad(20 + step, 400)
+        out = _reduce(ps, g, step)
+        state = ps.state_dict()["buckets"][0]
+        torch.testing.assert_close(out + state["residual"], residual + g, atol=1e-5, rtol=0)
+        if q_before is not None:
+            assert not torch.equal(q_before, state["q"])  # Q moves: warm start is updated
+        residual, q_before = state["residual"], state["q"]
+
+
+def test_powersgd_small_buckets_and_warmup_are_dense() -> None:
+    assert not is_worth_compressing(16, 4) and is_worth_compressing(400, 4)
+    g = _grad(6, 16)
+    assert torch.equal(_reduce(PowerSGD(rank=4), g), g)
+    big = _grad(7, 400)
+    assert torch.equal(_reduce(PowerSGD(rank=4, warmup_steps=5), big, step=4), big)
+
+
+def test_powersgd_initial_q_depends_on_seed_and_bucket_only() -> None:
+    g = _grad(8, 400)
+
+    def q_after_one_step(seed: int, index: int) -> torch.Tensor:
+        ps = PowerSGD(rank=2, seed=seed)
+        ps.reduce(BucketRef(index, 1), g.clone(), COMM).wait()
+        return ps.state_dict()["buckets"][index]["q"]
+
+    assert torch.equal(q_after_one_step(0, 3), q_after_one_step(0, 3))
+    assert not torch.equal(q_after_one_step(0, 3), q_after_one_step(0, 4))
+    assert not torch.equal(q_after_one_step(0, 3), q_after_one_step(1, 3))
+
+
+def test_powersgd_survives_a_zero_bucket() -> None:
+    ps = PowerSGD(rank=2)
+    assert not _reduce(ps, torch.zeros(400)).any()  # Q becomes 0, and P = M Q = 0 next
+    g = _grad(9, 400)
+    out = _reduce(ps, g, step=2)
+    assert torch.isfinite(out).all() and out.any()
+
+
+# -- state -----------------------------------------------------------------------------
+def _fresh(spec: str):
+    comp = build_compressor(spec)
+    if isinstance(comp, CSC):
+        comp = CSC(comp.density, chunk_elems=8, momentum=0.9)
+    return comp
+
+
+@pytest.mark.parametrize("spec", ["csc:0.3", "topk:0.1", "powersgd:2", "fp16", "bf16"])
+def test_state_dict_round_trip_continues_bit_identically(spec: str) -> None:
+    sizes = (400, 57)
+    comp = _fresh(spec)
+    for step in range(1, 4):
+        for b, n in enumerate(sizes):
+            _reduce(comp, _grad(100 * step + b, n), step, b)
+    saved = comp.state_dict()
+    expected = [_reduce(comp, _grad(900 + b, n), 4, b) for b, n in enumerate(sizes)]
+    after = comp.state_dict()
+
+    restored = _fresh(spec)
+    restored.load_state_dict(saved)
+    got = [_reduce(restored, _grad(900 + b, n), 4, b) for b, n in enumerate(sizes)]
+    for e, g in zip(expected, got, strict=True):
+        assert torch.equal(e, g)
+    # the checkpoint is a copy, and the continued state matches too
+    for b, d in restored.state_dict().get("buckets", {}).items():
+        for k, t in d.items():
+            assert torch.equal(t, after["buckets"][b][k])
+            assert not torch.equal(t, saved["buckets"][b][k]) or not t.any()
+
+
+def test_state_of_another_layout_is_refused() -> None:
+    csc = CSC(0.5, chunk_elems=4)
+    _reduce(csc, _grad(0, 32))
+    with pytest.raises(ConfigError, match="bucket 0 has 40 elements but its state has 32"):
+        _reduce(csc, _grad(0, 40))
+
+
+# -- specs and validation --------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("spec", "cls", "attrs"),
+    [
+        ("none", NoCompression, {}),
+        ("fp16", FP16, {"name": "fp16"}),
+        ("BF16", BF16, {"name": "bf16"}),
+        ("csc:0.01", CSC, {"density": 0.01, "warmup_steps": 0, "chunk_elems": 32768}),
+        ("csc:0.01:warmup=50", CSC, {"density": 0.01, "warmup_steps": 50}),
+        ("csc:0.05:chunk=1024:momentum=0.5", CSC, {"chunk_elems": 1024, "momentum": 0.5}),
+        ("topk:0.01", TopK, {"ratio": 0.01, "name": "topk"}),
+        ("powersgd:4", PowerSGD, {"rank": 4, "warmup_steps": 0, "name": "powersgd"}),
+        ("powersgd:2:warmup=10", PowerSGD, {"rank": 2, "warmup_steps": 10}),
+    ],
+)
+def test_build_compressor_parses_specs(spec: str, cls: type, attrs: dict) -> None:
+    comp = build_compressor(spec)
+    assert type(comp) is cls
+    for key, value in attrs.items():
+        assert getattr(comp, key) == value
+
+
+@pytest.mark.parametrize(
+    ("spec", "why"),
+    [
+        ("zip", "unknown compressor 'zip'"),
+        ("csc", "csc needs its density"),
+        ("csc:warmup=5", "csc needs its density"),
+        ("csc:abc", "density='abc' is not a number"),
+        ("csc:0.1:warmup=x", "warmup='x' is not an integer"),
+        ("csc:0.1:bogus=1", "unexpected 'bogus=1'"),
+        ("csc:0.1:0.2", "unexpected '0.2'"),
+        ("csc:0.1:warmup=1:warmup=2", "given twice"),
+        ("fp16:3", "unexpected '3'"),
+        ("powersgd:2.5", "rank='2.5' is not an integer"),
+    ],
+)
+def test_build_compressor_errors_list_valid_forms(spec: str, why: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        build_compressor(spec)
+    assert why in str(info.value)
+    assert "valid forms: none, fp16, bf16, csc:DENSITY" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: CSC(0.0), "density=0.0 is out of range; valid: 0.0 < density <= 1.0"),
+        (lambda: CSC(1.5), "density=1.5 is out of range"),
+        (lambda: CSC(math.nan), "density=nan is out of range"),
+        (lambda: CSC(0.1, chunk_elems=0), "chunk_elems=0 is out of range; valid: chunk_elems >= 1"),
+        (lambda: CSC(0.1, warmup_steps=-1), "warmup_steps=-1 is out of range"),
+        (
+            lambda: CSC(0.1, momentum=1.0),
+            "momentum=1.0 is out of range; valid: 0.0 <= momentum < 1",
+        ),
+        (lambda: CSC(0.1, momentum=-0.1), "momentum=-0.1 is out of range"),
+        (lambda: CSC(0.1, wire_dtype=torch.int8), "wire_dtype=torch.int8 is not supported"),
+        (lambda: CSC("0.1"), "density='0.1' must be a number"),  # type: ignore[arg-type]
+        (lambda: TopK(0.0), "TopK: ratio=0.0 is out of range; valid: 0.0 < ratio <= 1.0"),
+        (lambda: PowerSGD(rank=0), "PowerSGD: rank=0 is out of range; valid: rank >= 1"),
+        (lambda: PowerSGD(warmup_steps=-2), "warmup_steps=-2 is out of range"),
+        (lambda: build_compressor("csc:2"), "CSC: density=2.0 is out of range"),
+    ],
+)
+def test_invalid_arguments_name_the_value_and_range(make, message: str) -> None:
+    with pytest.raises(ConfigError, match=None) as info:
+        make()
+    assert message in str(info.value)
+
+
+def test_names() -> None:
+    names = [c.name for c in (FP16(), BF16(), CSC(0.1), TopK(0.1), PowerSGD())]
+    assert names == ["fp16", "bf16", "csc", "topk", "powersgd"]
