@@ -68,6 +68,7 @@ MODELS = ("gpt", "cnn")
 DATASETS = {"gpt": ("stdlib",), "cnn": ("digits", "synthetic")}
 OPTIMIZERS = ("adamw", "sgd")
 BACKENDS = ("auto", "gloo", "nccl")
+ALLREDUCE = ("flat", "hierarchical")
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,16 @@ class TrainConfig:
         log_every: print and record metrics every this many steps.
         timeout_s: limit of any wait on other ranks.
         run_dir: where config, metrics, plot and checkpoint go.
+        compression: gradient compressor spec (``none``, ``fp16``, ``bf16``,
+            ``csc:DENSITY[:warmup=N][:chunk=C][:momentum=M]``, ``topk:RATIO``,
+            ``powersgd:RANK[:warmup=N]``); checked against the compressor registry by the CLI.
+        allreduce: ``flat`` (one ring over all ranks) or ``hierarchical`` (reduce-scatter in
+            each node, allreduce across nodes, allgather in each node).
+        ranks_per_node: node size for ``hierarchical``; ``None`` = torchrun's
+            LOCAL_WORLD_SIZE. Smaller values emulate several nodes on one machine.
+        emulate_network: run every node in its own network namespace on this machine, joined
+            by links limited to this rate (tc syntax, e.g. ``100mbit``); needs root and
+            iproute2.
         inject_failure: ``"RANK:STEP"`` makes that rank exit at that step (to test that a
             dead rank stops the job with a message naming it).
     """
@@ -125,6 +136,10 @@ class TrainConfig:
     timeout_s: float = 300.0
     run_dir: str = "runs/latest"
     inject_failure: str | None = None
+    compression: str = "none"
+    allreduce: str = "flat"
+    ranks_per_node: int | None = None
+    emulate_network: str | None = None
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -182,6 +197,15 @@ class TrainConfig:
             raise ConfigError(f"backend={self.backend!r}; valid: {', '.join(BACKENDS)}")
         if self.inject_failure is not None:
             self.failure_point()
+        if self.allreduce not in ALLREDUCE:
+            raise ConfigError(f"allreduce={self.allreduce!r}; valid: {', '.join(ALLREDUCE)}")
+        if self.ranks_per_node is not None and (
+            self.ranks_per_node <= 0 or self.world_size % self.ranks_per_node
+        ):
+            raise ConfigError(
+                f"ranks_per_node={self.ranks_per_node} must be positive and divide the "
+                f"{self.world_size} ranks"
+            )
 
     @property
     def world_size(self) -> int:

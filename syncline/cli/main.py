@@ -143,6 +143,27 @@ def build_parser() -> argparse.ArgumentParser:
         dest="timeout_s",
         help="seconds any wait on another rank may take (default: %(default)s)",
     )
+    d.add_argument(
+        "--compression",
+        default=_D.compression,
+        metavar="SPEC",
+        help="gradient compression: none, fp16, bf16, csc:DENSITY[:warmup=N]"
+        "[:chunk=C][:momentum=M], topk:RATIO, powersgd:RANK[:warmup=N] "
+        "(default: %(default)s). With csc and sgd, momentum moves into CSC",
+    )
+    d.add_argument(
+        "--allreduce",
+        default=_D.allreduce,
+        help="flat (one ring) or hierarchical (reduce-scatter in node, allreduce "
+        "across nodes, allgather in node) (default: %(default)s)",
+    )
+    d.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        help="node size for --allreduce hierarchical (default: torchrun's local "
+        "world size); smaller values emulate several nodes on one machine",
+    )
     la = t.add_argument_group("launch (passed to torchrun)")
     la.add_argument(
         "--nproc-per-node",
@@ -176,6 +197,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=_D.threads,
         help="torch threads per rank (default: %(default)s)",
+    )
+    la.add_argument(
+        "--emulate-network",
+        default=None,
+        metavar="RATE",
+        help="run each node in its own Linux network namespace on this machine, joined by "
+        "tc-tbf-limited links of RATE (e.g. 100mbit, 1gbit); without --nnodes every rank is "
+        "its own node. Needs root and iproute2; everything it creates is removed afterwards",
     )
     r = t.add_argument_group("output")
     r.add_argument("--run-dir", default=None, help="run directory (default: runs/<time>-<model>)")
@@ -214,11 +243,34 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     values = {k: v for k, v in vars(ns).items() if k in fields and v is not None}
     if "run_dir" not in values:
         values["run_dir"] = f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{ns.model}"
+    if ns.emulate_network is not None:
+        _check_emulation(ns.emulate_network, values)
     limit, why = _max_local_processes(str(values.get("backend", _D.backend)))
     nproc = values.get("nproc_per_node", _D.nproc_per_node)
     if isinstance(nproc, int) and nproc > limit:
         raise ConfigError(f"nproc_per_node={nproc} is more than this node allows ({limit}: {why})")
-    return TrainConfig(**values)
+    cfg = TrainConfig(**values)
+    from syncline.dp.compressors import build_compressor
+
+    build_compressor(cfg.compression)  # raises ConfigError on a bad spec, before any work
+    return cfg
+
+
+def _check_emulation(rate: str, values: dict[str, object]) -> None:
+    """Validate --emulate-network and turn a single node into one emulated node per rank."""
+    from syncline.launch.netns import NetworkEmulationError, check_prerequisites, parse_rate
+
+    parse_rate(rate)
+    try:
+        check_prerequisites()
+    except NetworkEmulationError as exc:
+        raise ConfigError(f"--emulate-network {rate}: {exc}") from None
+    if values.get("rdzv_endpoint"):
+        raise ConfigError("--emulate-network picks the rendezvous itself; drop --rdzv-endpoint")
+    if values.get("nnodes", 1) == 1:
+        values["nnodes"] = values.get("nproc_per_node", _D.nproc_per_node)
+        values["nproc_per_node"] = 1
+    values["rdzv_endpoint"] = "emulated:0"  # replaced by host 0's address at launch
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
@@ -235,18 +287,26 @@ def cmd_train(ns: argparse.Namespace) -> int:
         f"global batch {cfg.batch_size}, {cfg.steps} steps -> {run_dir}",
         flush=True,
     )
-    launch(
-        LaunchSpec(
-            module="syncline.train.worker",
-            args=(str(config_path),),
-            nproc_per_node=cfg.nproc_per_node,
-            nnodes=cfg.nnodes,
-            node_rank=cfg.node_rank,
-            rdzv_endpoint=cfg.rdzv_endpoint,
-            threads_per_rank=cfg.threads,
-            log_dir=str(run_dir / "logs"),
-        )
+    spec = LaunchSpec(
+        module="syncline.train.worker",
+        args=(str(config_path),),
+        nproc_per_node=cfg.nproc_per_node,
+        nnodes=cfg.nnodes,
+        node_rank=cfg.node_rank,
+        rdzv_endpoint=cfg.rdzv_endpoint,
+        threads_per_rank=cfg.threads,
+        log_dir=str(run_dir / "logs"),
     )
+    if cfg.emulate_network:
+        from syncline.launch.emulated import launch_emulated
+
+        print(
+            f"emulated network: {cfg.nnodes} nodes joined by {cfg.emulate_network} links",
+            flush=True,
+        )
+        launch_emulated(spec, cfg.emulate_network, run_dir / "logs")
+    else:
+        launch(spec)
     return 0
 
 
@@ -261,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"syncline {ns.command}: error: {exc}", file=sys.stderr)
         return 2
-    except CommError as exc:
+    except (CommError, RuntimeError) as exc:  # LaunchError, NetworkEmulationError, ...
         print(f"syncline {ns.command}: job failed: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

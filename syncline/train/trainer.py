@@ -18,8 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from syncline.comm.collectives import Collective
 from syncline.config import TrainConfig
 from syncline.data import ShardedBatches
+from syncline.dp.compression import Compressor
+from syncline.dp.compressors import build_compressor
 from syncline.dp.engine import DataParallel
 from syncline.models import build_model, model_loss
 from syncline.train.checkpoint import save_checkpoint
@@ -65,27 +68,47 @@ def build_dataset(cfg: TrainConfig) -> tuple[Any, int]:
     return TensorPairDataset(images, labels), 1
 
 
-def make_optimizer(cfg: TrainConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+def make_optimizer(
+    cfg: TrainConfig, params: list[nn.Parameter], compressor: Compressor | None = None
+) -> torch.optim.Optimizer:
+    """The configured optimizer; SGD's momentum moves into CSC when CSC compresses.
+
+    CSC applies momentum *before* sparsification (momentum correction, Lin et al. 2018), so
+    the optimizer must not apply it a second time.
+    """
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(
-            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
-        )
+        momentum = 0.0 if compressor is not None and compressor.name == "csc" else cfg.momentum
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=momentum, weight_decay=cfg.weight_decay)
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-def train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> dict[str, Any]:
-    """Train on this rank; returns the run summary (complete on rank 0)."""
+def train(
+    cfg: TrainConfig,
+    rank: int,
+    world: int,
+    device: torch.device,
+    *,
+    allreduce: str | Collective = "flat",
+) -> dict[str, Any]:
+    """Train on this rank; returns the run summary (complete on rank 0).
+
+    ``allreduce`` is built by the launcher-facing caller (a hierarchical collective needs
+    torchrun's node layout and its own process groups).
+    """
     model = build_model_for(cfg).to(device)
     loss_fn = model_loss(cfg.model)
     dataset, tokens_per_sample = build_dataset(cfg)
     batches = ShardedBatches(dataset, cfg.batch_size, rank, world, cfg.seed)
+    compressor = build_compressor(cfg.compression)
     dp = DataParallel(
         model,
         bucket_cap_mb=cfg.bucket_cap_mb,
         first_bucket_cap_mb=cfg.first_bucket_cap_mb,
         timeout_s=cfg.timeout_s,
+        compression=compressor,
+        allreduce=allreduce,
     )
-    opt = make_optimizer(cfg, [p for p in dp.parameters() if p.requires_grad])
+    opt = make_optimizer(cfg, [p for p in dp.parameters() if p.requires_grad], compressor)
     fail = cfg.failure_point()
     run_dir = Path(cfg.run_dir)
     log = MetricsLog(run_dir / "metrics.jsonl") if rank == 0 else None
@@ -152,7 +175,11 @@ def _finish(
         parameters=sum(p.numel() for p in model.parameters()),
         gradient_bytes=dp.bucket_plan.total_numel * 4,
         buckets=len(dp.bucket_plan.buckets),
+        compression=cfg.compression,
+        allreduce=cfg.allreduce,
     )
+    wire = summary.get("wire_bytes_per_step") or 0
+    summary["compression_ratio"] = summary["gradient_bytes"] / wire if wire else None
     ckpt = save_checkpoint(
         run_dir / "checkpoint.pt",
         {
@@ -171,8 +198,14 @@ def _finish(
         f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f} | "
         f"{summary['median_samples_per_s']:.1f} samples/s, "
         f"{summary['median_tokens_per_s']:.0f} tokens/s (median) | "
-        f"{human_bytes(summary['wire_bytes_per_step'])} allreduced/step in "
-        f"{summary['collectives_per_step']:.0f} collective(s) | {summary['elapsed_s']:.1f}s\n"
+        f"{human_bytes(summary['wire_bytes_per_step'])} on the wire/step in "
+        f"{summary['collectives_per_step']:.0f} bucket(s)"
+        + (
+            f" ({cfg.compression}: {summary['compression_ratio']:.1f}x less than dense)"
+            if summary["compression_ratio"] and cfg.compression != "none"
+            else ""
+        )
+        + f" | {summary['elapsed_s']:.1f}s\n"
         f"run directory: {run_dir} (config.json, metrics.jsonl, loss.png, checkpoint.pt, "
         "summary.json)",
         flush=True,

@@ -37,7 +37,15 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cpu")
     rank, world = comm.init_from_env(backend=backend, timeout_s=cfg.timeout_s)
     try:
-        train(cfg, rank, world, device)
+        allreduce: str | comm.Collective = "flat"
+        if cfg.allreduce == "hierarchical":
+            from syncline.comm.hierarchical import HierarchicalAllreduce
+            from syncline.comm.topology import Topology
+
+            per_node = cfg.ranks_per_node or os.environ.get("LOCAL_WORLD_SIZE", str(world))
+            topology = Topology.from_env_values(world, per_node)
+            allreduce = HierarchicalAllreduce(topology, timeout_s=cfg.timeout_s).build()
+        train(cfg, rank, world, device, allreduce=allreduce)
     finally:
         comm.destroy()
     return 0

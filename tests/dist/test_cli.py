@@ -117,3 +117,91 @@ def test_a_dying_rank_stops_the_job_with_its_name(tmp_path) -> None:
     )
     assert res.returncode == 1
     assert "job failed: rank 1 (exit code 17) failed first" in res.stderr
+
+
+def _can_emulate() -> bool:
+    import shutil
+
+    return os.geteuid() == 0 and bool(shutil.which("ip")) and bool(shutil.which("tc"))
+
+
+def _namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+@pytest.mark.skipif(not _can_emulate(), reason="needs root and iproute2 (ip, tc)")
+def test_emulated_slow_network_with_csc(tmp_path) -> None:
+    run = tmp_path / "emu"
+    before = _namespaces()
+    res = _syncline(
+        "train",
+        "--steps",
+        "8",
+        "--log-every",
+        "7",
+        "--n-layer",
+        "2",
+        "--n-embd",
+        "64",
+        "--batch-size",
+        "16",
+        "--emulate-network",
+        "200mbit",
+        "--compression",
+        "csc:0.01:warmup=2:chunk=1024",
+        "--run-dir",
+        str(run),
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "emulated network: 2 nodes joined by 200mbit links" in res.stdout
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["nnodes"] == 2 and cfg["nproc_per_node"] == 1
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["compression_ratio"] > 10  # 1 % of the chunks, fp16, plus chunk scores
+    assert _namespaces() <= before  # every namespace and link it made is gone
+
+
+def test_hierarchical_allreduce_on_4_ranks_as_2_nodes(tmp_path) -> None:
+    run = tmp_path / "hier"
+    res = _syncline(
+        "train",
+        "--steps",
+        "6",
+        "--log-every",
+        "5",
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "32",
+        "--nproc-per-node",
+        "4",
+        "--batch-size",
+        "16",
+        "--allreduce",
+        "hierarchical",
+        "--ranks-per-node",
+        "2",
+        "--run-dir",
+        str(run),
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["allreduce"] == "hierarchical" and summary["world_size"] == 4
+    assert summary["final_loss"] < summary["first_loss"]
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["--compression", "zip"], "compression"),
+        (["--compression", "csc:2"], "density=2.0"),
+        (["--allreduce", "ring"], "allreduce='ring'"),
+        (["--ranks-per-node", "3"], "ranks_per_node=3"),
+        (["--emulate-network", "5furlongs"], "invalid rate '5furlongs'"),
+    ],
+)
+def test_bad_communication_options(tmp_path, args, match) -> None:
+    res = _syncline("train", "--run-dir", str(tmp_path / "bad"), *args, timeout=60)
+    assert res.returncode == 2 and match in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
