@@ -65,11 +65,24 @@ def launch(spec: LaunchSpec, argv: Sequence[str] | None = None) -> None:
         raise LaunchError(_describe(exc)) from None
 
 
+def _blame_order(failure: object) -> tuple[bool, bool, int]:
+    """Sort key putting the likely cause first.
+
+    Ranks the agent killed (negative exit code: its SIGTERM) and ranks that failed in a
+    collective because a peer vanished are consequences; timestamps only have one-second
+    resolution, so they break ties last.
+    """
+    code = getattr(failure, "exitcode", 0)
+    message = str(getattr(failure, "message", ""))
+    victim_of_peer = "CommError" in message or "closed by peer" in message
+    return (isinstance(code, int) and code < 0, victim_of_peer, getattr(failure, "timestamp", 0))
+
+
 def _describe(exc: object) -> str:
     """Name the rank that failed first (the cause) before those stopped because of it."""
     failures = getattr(exc, "failures", {}) or {}
     parts = []
-    ordered = sorted(failures.items(), key=lambda kv: getattr(kv[1], "timestamp", 0))
+    ordered = sorted(failures.items(), key=lambda kv: _blame_order(kv[1]))
     for local_rank, failure in ordered:
         rank = getattr(failure, "rank", local_rank)
         code = getattr(failure, "exitcode", "?")
