@@ -20,11 +20,8 @@ class DataParallelConfig:
     Attributes:
         bucket_cap_mb: lazy-allreduce threshold: a bucket is launched once its gradients
             (in MiB) are ready. Larger means fewer, larger collectives; smaller, more overlap.
-        first_bucket_cap_mb: cap of the first bucket. ``None`` (auto) means 1 MiB on NCCL,
-            where a small first bucket starts communication early and the copy engines
-            overlap it for free (DDP's choice), and ``bucket_cap_mb`` on gloo, where the
-            collective runs on the same CPU cores as backward, so an extra early collective
-            only adds latency and contention (measured: benchmarks/dp_vs_ddp.py).
+        first_bucket_cap_mb: cap of the first bucket, kept small so that communication
+            starts early in backward (DDP's choice, 1 MiB). ``None`` means 1 MiB.
         broadcast_buffers: give every rank rank 0's buffers (e.g. BatchNorm statistics) for
             every training forward, as DDP does; sent asynchronously right after each forward
             so the message overlaps backward instead of delaying the next forward.
@@ -53,11 +50,10 @@ class DataParallelConfig:
     def cap_bytes(self) -> int:
         return max(1, int(self.bucket_cap_mb * 2**20))
 
-    def first_cap_bytes(self, backend: str) -> int:
-        """The first bucket's cap in bytes for ``backend`` (see ``first_bucket_cap_mb``)."""
-        first = self.first_bucket_cap_mb
-        if first is None:
-            first = 1.0 if backend == "nccl" else self.bucket_cap_mb
+    @property
+    def first_cap_bytes(self) -> int:
+        """The first bucket's cap in bytes (see ``first_bucket_cap_mb``)."""
+        first = 1.0 if self.first_bucket_cap_mb is None else self.first_bucket_cap_mb
         return max(1, int(min(first, self.bucket_cap_mb) * 2**20))
 
     def to_dict(self) -> dict[str, Any]:

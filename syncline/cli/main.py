@@ -132,9 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--first-bucket-cap-mb",
         type=float,
         default=None,
-        help="first (early-launched) bucket in MiB (default: 1 on NCCL, "
-        "--bucket-cap-mb on gloo, where an early extra collective only "
-        "competes with backward for the same cores)",
+        help="first bucket in MiB, small so communication starts early in backward "
+        "(default: 1, as DDP)",
     )
     d.add_argument(
         "--timeout",

@@ -142,7 +142,7 @@ class DataParallel(nn.Module):
             order,
             p0.element_size(),
             self.config.cap_bytes,
-            self.config.first_cap_bytes(comm.backend_name(self.process_group)),
+            self.config.first_cap_bytes,
         )
         flat = torch.zeros(plan.total_numel, dtype=p0.dtype, device=p0.device)
         views = [
