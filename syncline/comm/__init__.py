@@ -1,39 +1,98 @@
-"""The only layer that calls ``torch.distributed``: groups, collectives, timeouts."""
+"""The only layer that calls ``torch.distributed``: groups, collectives, timeouts, topology.
 
-from syncline.comm.collectives import (
-    Collective,
-    FlatAllreduce,
-    Pending,
-    broadcast_tensors,
-    broadcast_tensors_async,
-    completed,
-)
-from syncline.comm.groups import (
-    Group,
-    backend_name,
-    barrier,
-    destroy,
-    group_rank,
-    group_size,
-    init_from_env,
-    init_with_file_store,
-    is_initialized,
-)
+Names resolve lazily, so the pure :mod:`syncline.comm.topology` imports without torch.
+"""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from syncline.comm.collectives import (
+        Collective,
+        FlatAllreduce,
+        Pending,
+        broadcast_tensors,
+        broadcast_tensors_async,
+        completed,
+    )
+    from syncline.comm.groups import (
+        Group,
+        backend_name,
+        barrier,
+        destroy,
+        group_rank,
+        group_size,
+        init_from_env,
+        init_with_file_store,
+        is_initialized,
+    )
+    from syncline.comm.hierarchical import HierarchicalAllreduce
+    from syncline.comm.topology import (
+        Topology,
+        bus_bandwidth,
+        hierarchical_allreduce_time,
+        ring_allreduce_time,
+    )
+
+_EXPORTS = {
+    **dict.fromkeys(
+        [
+            "Collective",
+            "FlatAllreduce",
+            "Pending",
+            "broadcast_tensors",
+            "broadcast_tensors_async",
+            "completed",
+        ],
+        "syncline.comm.collectives",
+    ),
+    **dict.fromkeys(
+        [
+            "Group",
+            "backend_name",
+            "barrier",
+            "destroy",
+            "group_rank",
+            "group_size",
+            "init_from_env",
+            "init_with_file_store",
+            "is_initialized",
+        ],
+        "syncline.comm.groups",
+    ),
+    "HierarchicalAllreduce": "syncline.comm.hierarchical",
+    **dict.fromkeys(
+        ["Topology", "bus_bandwidth", "hierarchical_allreduce_time", "ring_allreduce_time"],
+        "syncline.comm.topology",
+    ),
+}
 __all__ = [
     "Collective",
     "FlatAllreduce",
     "Group",
+    "HierarchicalAllreduce",
     "Pending",
+    "Topology",
     "backend_name",
     "barrier",
     "broadcast_tensors",
     "broadcast_tensors_async",
+    "bus_bandwidth",
     "completed",
     "destroy",
     "group_rank",
     "group_size",
+    "hierarchical_allreduce_time",
     "init_from_env",
     "init_with_file_store",
     "is_initialized",
+    "ring_allreduce_time",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'syncline.comm' has no attribute {name!r}")

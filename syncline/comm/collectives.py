@@ -28,8 +28,9 @@ class Pending:
         what: human description for errors, e.g. ``"allreduce of bucket 3 at step 17"``.
         timeout_s: how long each wait may take.
         then: optional follow-up run once all works are done (e.g. decompression).
-        wire_bytes: payload bytes this operation put on the wire (per rank, before the
-            algorithm's own 2(p-1)/p factor).
+        wire_bytes: payload bytes this rank handed to the network for this operation (the
+            compressed size for compressors), before the algorithm's own traffic factor
+            (2(p-1)/p for a ring); the same measure for every Collective, so runs compare.
     """
 
     works: list[dist.Work]

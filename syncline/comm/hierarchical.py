@@ -202,7 +202,7 @@ class HierarchicalAllreduce:
             timeout_s=self._timeout_s,
             rank=self.rank,
             then=lambda: self._finish(job),
-            wire_bytes=self.last_intra_node_bytes + self.last_inter_node_bytes,
+            wire_bytes=nbytes,  # payload, as every Collective reports; the split is above
         )
 
     def allgather(self, tensor: torch.Tensor, what: str) -> tuple[Pending, list[torch.Tensor]]:
@@ -217,7 +217,6 @@ class HierarchicalAllreduce:
         across = self._topology.num_nodes > 1
         self.last_inter_node_bytes = sent if across else 0
         self.last_intra_node_bytes = 0 if across else sent
-        pending.wire_bytes = sent
         return pending
 
     # -- phases -------------------------------------------------------------------------

@@ -7,7 +7,15 @@ import sys
 
 import pytest
 
-PURE = ["syncline", "syncline.config", "syncline.errors", "syncline.dp.buckets"]
+PURE = [
+    "syncline",
+    "syncline.config",
+    "syncline.errors",
+    "syncline.dp.buckets",
+    "syncline.comm.topology",
+    "syncline.schedule",
+    "syncline.launch.netns",
+]
 
 
 @pytest.mark.parametrize("module", PURE)
