@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["ConfigError", "DataParallel", "DataParallelConfig", "__version__"]
+__all__ = ["ConfigError", "DataParallel", "DataParallelConfig", "Pipeline", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -21,6 +21,10 @@ def __getattr__(name: str) -> Any:
         from syncline.config import DataParallelConfig
 
         return DataParallelConfig
+    if name == "Pipeline":
+        from syncline.pipeline.runtime import Pipeline
+
+        return Pipeline
     if name == "ConfigError":
         from syncline.errors import ConfigError
 

@@ -15,6 +15,7 @@ PURE = [
     "syncline.comm.topology",
     "syncline.schedule",
     "syncline.launch.netns",
+    "syncline.partition",
 ]
 
 

@@ -1,0 +1,186 @@
+"""syncline pipelines vs torch.distributed.pipelining: same GPT, stages, micro-batches, data.
+
+One run (``syncline.testing.run_ranks``, gloo, one process per stage) trains a copy of the
+model with each engine in alternating segments (the order reverses every pair, so drift
+favours none): torch's ``PipelineStage`` with ``ScheduleGPipe`` and ``Schedule1F1B``, and
+syncline's ``Pipeline`` with ``gpipe``, ``1f1b`` and ``2bw`` (and ``1f1b`` once more with
+``track_memory=False``). Each engine has its own process group. Reported: the median
+samples/s of each; the ratios syncline-1f1b / torch-1f1b, syncline-gpipe / torch-gpipe,
+2bw / syncline-1f1b and untracked syncline-1f1b / torch-1f1b; each engine's first loss (all
+must agree: same weights, same batch); syncline's measured per-stage memory (stashed
+activations, weight versions).
+
+    python benchmarks/pipeline_vs_torch.py --pairs 5 --steps 10 \\
+        --out benchmarks/results/pipeline_vs_torch.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from syncline import comm
+from syncline.data import ByteDataset, stdlib_corpus
+from syncline.models import build_model, lm_loss
+from syncline.partition import stage_bounds
+from syncline.pipeline import Pipeline
+from syncline.testing import run_ranks
+
+ENGINES = (
+    "torch-gpipe",
+    "torch-1f1b",
+    "syncline-gpipe",
+    "syncline-1f1b",
+    "syncline-2bw",
+    "syncline-1f1b-untracked",  # track_memory=False: without the saved-tensor hooks
+)
+
+
+def _model(args: argparse.Namespace) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return build_model(
+        "gpt", n_layer=args.layers, n_embd=args.embd, n_head=args.heads, block_size=args.seq
+    )
+
+
+def _batches(args: argparse.Namespace, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    data = ByteDataset(stdlib_corpus(400_000), args.seq)
+    g = torch.Generator().manual_seed(1)
+    return [data.get(torch.randint(0, len(data), (args.batch,), generator=g)) for _ in range(count)]
+
+
+class _TorchEngine:
+    """One stage under torch.distributed.pipelining, stepped like syncline's train_step."""
+
+    def __init__(self, kind: str, rank: int, world: int, args: argparse.Namespace, group) -> None:
+        lo, hi = stage_bounds(args.balance)[rank]
+        part = torch.nn.Sequential(*list(_model(args))[lo:hi])
+        stage = PipelineStage(part, rank, world, torch.device("cpu"), group=group)
+        cls = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
+        self.schedule = cls(stage, args.micro, loss_fn=lm_loss)
+        self.opt = torch.optim.SGD(part.parameters(), lr=args.lr, momentum=0.9)
+        self.rank, self.last = rank, rank == world - 1
+
+    def train_step(self, batches) -> float:
+        x, y = next(batches)
+        losses: list[torch.Tensor] = []
+        if self.rank == 0:
+            self.schedule.step(x)
+        elif self.last:
+            self.schedule.step(target=y, losses=losses)
+        else:
+            self.schedule.step()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(torch.stack(losses).detach().mean()) if losses else float("nan")
+
+
+def _engine(name: str, rank: int, world: int, args: argparse.Namespace):
+    """Each engine gets its own process group, so their messages can never mix."""
+    group = dist.new_group(list(range(world)))
+    lib, kind, *rest = name.split("-")
+    if lib == "torch":
+        return _TorchEngine(kind, rank, world, args, group)
+    return Pipeline(
+        _model(args),
+        num_stages=world,
+        num_microbatches=args.micro,
+        schedule=kind,
+        loss_fn=lm_loss,
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=args.lr, momentum=0.9),
+        balance=args.balance,
+        process_group=group,
+        timeout_s=120,
+        track_memory="untracked" not in rest,
+    )
+
+
+def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
+    total = (args.pairs * 2 + 1) * args.steps + 2
+    engines = {n: _engine(n, rank, world, args) for n in ENGINES}
+    streams = {n: iter(_batches(args, total)) for n in ENGINES}
+    first = {n: e.train_step(streams[n]) for n, e in engines.items()}  # warm-up, shape setup
+    for _ in range(args.steps - 1):
+        for n, e in engines.items():
+            e.train_step(streams[n])
+    seconds: dict[str, list[float]] = {n: [] for n in ENGINES}
+    for pair in range(args.pairs):
+        order = ENGINES if pair % 2 == 0 else ENGINES[::-1]
+        for _ in range(2):
+            for n in order:
+                comm.barrier(what=f"{n} segment start")
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    engines[n].train_step(streams[n])
+                comm.barrier(what=f"{n} segment end")
+                seconds[n].append(time.perf_counter() - t0)
+    memory = {}
+    for n, e in engines.items():
+        if isinstance(e, Pipeline) and "untracked" not in n:
+            e.flush()
+            memory[n] = {s: asdict(v) for s, v in e.memory_stats().items()}
+    return {"seconds": seconds, "first_loss": first, "memory": memory}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    p.add_argument("--embd", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--micro", type=int, default=4)
+    p.add_argument("--steps", type=int, default=10, help="steps per timed segment")
+    p.add_argument("--pairs", type=int, default=3, help="ABBA pairs of segments")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    layers = args.layers + 2  # embedding, blocks, head
+    per = [layers // args.ranks + (1 if r < layers % args.ranks else 0) for r in range(args.ranks)]
+    args.balance = per
+    results = run_ranks(_rank, args.ranks, args, timeout_s=3600)
+    samples = args.steps * args.batch
+    rates = {
+        n: statistics.median(
+            samples / max(r["seconds"][n][i] for r in results)
+            for i in range(len(results[0]["seconds"][n]))
+        )
+        for n in ENGINES
+    }
+    last = results[-1]
+    report = {
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "samples_per_s": rates,
+        "ratios": {
+            "syncline_1f1b_over_torch_1f1b": rates["syncline-1f1b"] / rates["torch-1f1b"],
+            "syncline_gpipe_over_torch_gpipe": rates["syncline-gpipe"] / rates["torch-gpipe"],
+            "syncline_2bw_over_syncline_1f1b": rates["syncline-2bw"] / rates["syncline-1f1b"],
+            "syncline_1f1b_untracked_over_torch_1f1b": rates["syncline-1f1b-untracked"]
+            / rates["torch-1f1b"],
+        },
+        "first_loss": last["first_loss"],
+        "memory": {
+            n: {s: m for r in results for s, m in r["memory"][n].items()}
+            for n in results[0]["memory"]
+        },
+    }
+    text = json.dumps(report, indent=2, default=str)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

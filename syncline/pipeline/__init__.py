@@ -1,0 +1,31 @@
+"""Pipeline parallelism: GPipe, 1F1B, PipeDream-2BW and interleaved 1F1B over torch.distributed.
+
+Layers, lowest first: :mod:`~syncline.pipeline.plan` (pure: slices the generated schedules
+into ``train_step`` calls); :mod:`~syncline.pipeline.memory` (measures stashed activations);
+:mod:`~syncline.pipeline.versions` (2BW's two weight versions);
+:mod:`~syncline.pipeline.batches` (micro-batches); :mod:`~syncline.pipeline.split`
+(stage modules); :mod:`~syncline.pipeline.stage` (one stage's forward, recompute, backward,
+step);
+:mod:`~syncline.pipeline.profile` (layer times for :mod:`syncline.partition`);
+:mod:`~syncline.pipeline.runtime` (executes the actions, talking through :mod:`syncline.comm`).
+
+Names are resolved lazily, so that the pure planner imports without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Pipeline": "syncline.pipeline.runtime",
+    "StageError": "syncline.pipeline.runtime",
+    "StageMemoryStats": "syncline.pipeline.memory",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'syncline.pipeline' has no attribute {name!r}")

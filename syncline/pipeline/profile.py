@@ -1,0 +1,77 @@
+"""Measure each layer's forward + backward time and stashed activation bytes on a sample.
+
+The balancer (:mod:`syncline.partition`) takes numbers; this produces them, as torchgpipe's
+``balance_by_time`` does: run the layers one after another on a sample micro-batch, time the
+forward and the backward of each (median of ``repeats`` runs after one warm-up), and count
+what autograd saves. Parameters' ``.grad`` and the RNG state are left as they were.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from syncline.pipeline.memory import StashMeter, storage_key
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """Per-layer measurements, in layer order.
+
+    Attributes:
+        seconds: forward + backward time of each layer on the sample.
+        activation_bytes: bytes autograd saves for the backward of each layer.
+        weight_bytes: parameter bytes of each layer.
+    """
+
+    seconds: list[float]
+    activation_bytes: list[int]
+    weight_bytes: list[int]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_layers(
+    layers: nn.Sequential, sample: torch.Tensor, *, repeats: int = 3
+) -> LayerProfile:
+    """Profile ``layers`` on ``sample`` (one micro-batch of stage-0 input).
+
+    Raises:
+        TypeError: a layer does not return one tensor.
+    """
+    grads = {p: p.grad for p in layers.parameters()}
+    seconds, act, weights = [], [], []
+    with torch.random.fork_rng(devices=[sample.device] if sample.device.type == "cuda" else []):
+        h = sample
+        for index, layer in enumerate(layers):
+            times, saved, out = [], 0, h
+            for rep in range(repeats + 1):
+                x = h.detach().requires_grad_(h.is_floating_point())
+                meter = StashMeter()
+                skip = {storage_key(p)[0] for p in layer.parameters()}
+                _sync(sample.device)
+                t0 = time.perf_counter()
+                with meter.recording(rep, skip.copy):
+                    out = layer(x)
+                if not isinstance(out, torch.Tensor):
+                    raise TypeError(f"layer {index} returned {type(out).__name__}, not a tensor")
+                if out.requires_grad:
+                    out.backward(torch.ones_like(out))
+                _sync(sample.device)
+                if rep:
+                    times.append(time.perf_counter() - t0)
+                saved = meter.peak
+            seconds.append(statistics.median(times))
+            act.append(saved)
+            weights.append(sum(p.numel() * p.element_size() for p in layer.parameters()))
+            h = out.detach()
+    for p, g in grads.items():
+        p.grad = g
+    return LayerProfile(seconds, act, weights)

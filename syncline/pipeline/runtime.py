@@ -1,0 +1,460 @@
+"""The pipeline runtime: executes this rank's slice of a generated schedule, action by action.
+
+A ``train_step`` call picks the slice (:mod:`syncline.pipeline.plan`), relabels it with the
+global batch number and runs each action through one handler per ``ActionKind``; the order
+is the generator's, never re-derived here. Each action is timed for :meth:`Pipeline.trace`.
+Any failure is re-raised naming the rank, the stage, the step (global batch) and the
+action; a peer that waits on a failed rank gets a connection error or times out after
+``timeout_s``, naming its own rank, step and action, so no rank hangs. After a failure the
+pipeline refuses further calls (its stages are mid-batch); build a new one.
+
+Messages go through :class:`~syncline.pipeline.links.Links` (shapes, tags, receives posted
+early). Sends are asynchronous; a call waits at its end for the sends of earlier calls (a 2BW
+call sends the next batch's first activations, which the next stage receives in its next
+call), then broadcasts the batch loss from the last stage, which every rank returns.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from syncline import comm
+from syncline.comm.p2p import MAX_TAG, PointToPoint
+from syncline.errors import CommError, ConfigError
+from syncline.partition import balance as balance_costs
+from syncline.partition import check_balance, stage_bounds
+from syncline.pipeline.batches import Batch, take_batch
+from syncline.pipeline.links import Links, max_tag
+from syncline.pipeline.memory import StageMemoryStats
+from syncline.pipeline.plan import SCHEDULES, Plan, Segment, build_plan
+from syncline.pipeline.profile import profile_layers
+from syncline.pipeline.split import stage_modules
+from syncline.pipeline.stage import LossFn, OptimizerFactory, Stage
+from syncline.schedule import Action, ActionKind, Event, Timeline
+
+K = ActionKind
+
+
+class StageError(RuntimeError):
+    """A stage failed while executing an action; the message names rank, step and action."""
+
+
+def _check_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r} is invalid; valid: an int >= 1")
+    return value
+
+
+def _check_args(
+    module: object,
+    num_stages: int,
+    num_microbatches: int,
+    schedule: str,
+    balance: list[int] | None,
+    timeout_s: float,
+) -> None:
+    """The checks that need no process group, each naming the value (the plan checks the
+    sizes against the group)."""
+    if not isinstance(module, nn.Sequential):
+        raise ConfigError(f"module is a {type(module).__name__}; valid: an nn.Sequential of layers")
+    d = _check_int("num_stages", num_stages)
+    m = _check_int("num_microbatches", num_microbatches)
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"schedule={schedule!r} is unknown; valid: {', '.join(SCHEDULES)}")
+    if d > len(module):
+        raise ConfigError(
+            f"num_stages={d} is more than the module's {len(module)} layers; "
+            f"valid: num_stages <= {len(module)}"
+        )
+    if schedule == "2bw" and m < d:
+        raise ConfigError(
+            f"num_microbatches={m} must be >= num_stages={d} for 2bw (stage 0 would need a "
+            "weight version not made yet)"
+        )
+    if balance is not None:
+        check_balance(balance, len(module), d)
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0:
+        raise ConfigError(f"timeout_s={timeout_s!r} is invalid; valid: seconds > 0")
+    if max_tag(d, m) > MAX_TAG:
+        raise ConfigError(f"num_stages * num_microbatches={d * m} is too large for message tags")
+
+
+class Pipeline:
+    """Pipeline-parallel training of an ``nn.Sequential``: one rank per stage.
+
+    Every rank builds the same full model (same seed) and constructs the same ``Pipeline``;
+    each keeps and trains only its stage's layers. Under 2BW, call :meth:`flush` before
+    changing weights from outside (loading a checkpoint): an older version may be in use.
+
+    Args:
+        module: the model, a sequence of one-tensor-to-one-tensor layers.
+        num_stages: pipeline depth; the group's size (interleaved: a multiple >= 2 of it,
+            ``num_stages // size`` stages per rank).
+        num_microbatches: m, micro-batches per batch (2BW: m >= num_stages).
+        schedule: ``"gpipe"``, ``"1f1b"`` (PipeDream-Flush), ``"2bw"`` (PipeDream-2BW: no
+            flushes, two weight versions, ``W(t+1) = W(t) - lr*grad f(W(t-1))``) or
+            ``"interleaved"`` (Megatron virtual stages).
+        loss_fn: ``loss_fn(output, target) -> scalar``, the mean over a micro-batch.
+        optimizer: factory, called with each local stage's parameters.
+        recompute: keep only stage inputs and recompute each forward before its backward.
+        balance: layers per stage; ``None`` profiles each layer's forward + backward time on
+            rank 0 on the first micro-batch of the first ``train_step`` and balances that.
+        process_group: the pipeline's group (``None``: the default group); stage ``s`` runs
+            on its rank ``s % size``.
+        timeout_s: the longest any wait on another rank may take.
+        device: where the stage runs; default: where the module's parameters are.
+        track_memory: measure stashed activations for :meth:`memory_stats` with autograd
+            saved-tensor hooks (a few per cent of a small model's step time).
+
+    Raises:
+        ConfigError: before any work or communication, naming the bad value.
+
+    Example:
+        >>> pipe = Pipeline(model, num_stages=2, num_microbatches=4, schedule="1f1b",
+        ...                 loss_fn=lm_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+        >>> batches = iter(loader)           # the same batches on every rank
+        >>> loss = pipe.train_step(batches)  # every rank gets the batch's mean loss
+        >>> pipe.flush()                     # 2BW: finish the batch started early
+    """
+
+    def __init__(
+        self,
+        module: nn.Sequential,
+        *,
+        num_stages: int,
+        num_microbatches: int,
+        schedule: str = "1f1b",
+        loss_fn: LossFn,
+        optimizer: OptimizerFactory,
+        recompute: bool = False,
+        balance: list[int] | None = None,
+        process_group: comm.Group = None,
+        timeout_s: float = 300.0,
+        device: torch.device | str | None = None,
+        track_memory: bool = True,
+    ) -> None:
+        _check_args(module, num_stages, num_microbatches, schedule, balance, timeout_s)
+        if not callable(loss_fn) or not callable(optimizer):
+            raise ConfigError("loss_fn and optimizer must be callables")
+        if not isinstance(recompute, bool):
+            raise ConfigError(f"recompute={recompute!r} is invalid; valid: True or False")
+        self._d, self._m = num_stages, num_microbatches
+        size = comm.group_size(process_group)
+        self._plan: Plan = build_plan(
+            schedule, size, num_stages, num_microbatches, recompute=recompute
+        )
+        self._module = module
+        self._loss_fn, self._optimizer = loss_fn, optimizer
+        self._recompute = recompute
+        self._track_memory = bool(track_memory)
+        self._group = process_group
+        self._rank = comm.group_rank(process_group)
+        self._timeout_s = float(timeout_s)
+        first = next(module.parameters(), None)
+        default = first.device if first is not None else torch.device("cpu")
+        self._device = torch.device(device) if device is not None else default
+        self._last_rank = self._plan.schedule.rank_of(num_stages - 1)
+        self._stages: dict[int, Stage] = {}
+        self._balance: list[int] | None = None
+        self._next_batch = 0  # global index of the next batch taken from the iterator
+        self._queued: Batch | None = None  # taken, no work done yet
+        self._in_flight: Batch | None = None  # 2BW: taken, first forwards done
+        self._batches: dict[int, Batch] = {}
+        self._inbox: dict[tuple[ActionKind, int, int, int], torch.Tensor] = {}
+        self._links = Links(
+            PointToPoint(process_group, timeout_s=self._timeout_s, device=self._device),
+            self._plan.schedule,
+            num_microbatches,
+            early=comm.backend_name(process_group) == "gloo",
+        )
+        self._events: deque[Event] = deque(maxlen=200_000)
+        self._broken: str | None = None
+        self._call = 0
+        self._handlers: dict[ActionKind, Callable[[Action], None]] = {
+            K.RECV_F: self._recv,
+            K.RECV_B: self._recv,
+            K.FORWARD: self._forward,
+            K.SEND_F: self._send,
+            K.RECOMPUTE: self._recompute_action,
+            K.BACKWARD: self._backward,
+            K.SEND_B: self._send,
+            K.REDUCE: self._reduce,
+            K.STEP: self._step,
+        }
+        if balance is not None:
+            self._setup(list(balance))
+
+    # -- public ------------------------------------------------------------------------------
+
+    @property
+    def plan(self) -> Plan:
+        """The schedule and the slices each call runs."""
+        return self._plan
+
+    @property
+    def balance(self) -> list[int]:
+        """Layers per stage (after the first ``train_step`` when it was profiled)."""
+        self._require_setup()
+        assert self._balance is not None
+        return list(self._balance)
+
+    @property
+    def stages(self) -> list[int]:
+        """The stages this rank runs."""
+        return self._plan.stages_of(self._rank)
+
+    @property
+    def stage_module(self) -> nn.Module:
+        """This rank's layers with the newest weights (interleaved: an ``nn.ModuleList``)."""
+        self._require_setup()
+        mods = [self._stages[s].module for s in self.stages]
+        return mods[0] if len(mods) == 1 else nn.ModuleList(mods)
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's layers' newest weights and buffers, named as in the full module.
+
+        The union over all ranks is ``module.state_dict()`` of the trained model (detached
+        copies; tied weights appear under each name).
+        """
+        self._require_setup()
+        assert self._balance is not None
+        bounds = stage_bounds(self._balance)
+        out = {}
+        for s in self.stages:
+            lo, _ = bounds[s]
+            for key, value in self._stages[s].module.state_dict().items():
+                index, rest = key.split(".", 1)
+                out[f"{lo + int(index)}.{rest}"] = value.detach().clone()
+        return out
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """One optimizer per local stage, in stage order."""
+        self._require_setup()
+        return [self._stages[s].optimizer for s in self.stages]
+
+    def train_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Train on the next batch of ``batches``; returns its mean loss on every rank.
+
+        Takes one ``(inputs, targets)`` batch per call (2BW may take the following one
+        already and start it); stage 0 uses the inputs, the last stage the targets, but
+        every rank checks both, so a bad batch fails on every rank before any work.
+
+        Raises:
+            StopIteration: ``batches`` is exhausted (and nothing is in flight).
+            ConfigError: a batch cannot be split into ``num_microbatches`` equal parts.
+            StageError, CommError: a stage failed; the message names rank, step, action.
+        """
+        self._check_usable()
+        if not hasattr(batches, "__next__"):
+            raise ConfigError(
+                f"train_step takes an iterator of (inputs, targets), got "
+                f"{type(batches).__name__}; wrap it with iter(...)"
+            )
+        in_flight = self._in_flight is not None
+        current = self._in_flight or self._queued or self._take(batches)
+        self._queued = None if in_flight else current  # kept if the next batch is bad
+        if self._balance is None:
+            self._profile(current)
+        nxt = None
+        if self._plan.overlapping:
+            try:
+                nxt = self._take(batches)
+            except StopIteration:
+                nxt = None
+        self._queued = self._in_flight = None
+        loss = self._run_call(self._plan.choose(in_flight, nxt is not None), current, nxt)
+        self._in_flight = nxt
+        return loss
+
+    def flush(self) -> float | None:
+        """Finish all in-flight work (2BW: the batch started early, with its STEP).
+
+        Returns the loss of the batch it finished, or ``None`` if nothing was in flight.
+        After a flush the next batch runs on the newest weights, as the first batch did.
+        """
+        self._check_usable()
+        loss = None
+        if self._in_flight is not None:
+            current, self._in_flight = self._in_flight, None
+            loss = self._run_call(self._plan.segments["drain"], current, None)
+        self._links.wait_sends(self._call, everything=True)
+        for stage in self._stages.values():
+            stage.end_run()
+        return loss
+
+    def memory_stats(self) -> dict[int, StageMemoryStats]:
+        """Per local stage: peak stashed activations and weight versions (measured)."""
+        self._require_setup()
+        return {s: self._stages[s].memory_stats() for s in self.stages}
+
+    def reset_memory_stats(self) -> None:
+        for stage in self._stages.values():
+            stage.reset_memory_stats()
+
+    def trace(self, *, origin: float | None = None) -> Timeline:
+        """This rank's executed actions as a :class:`~syncline.schedule.Timeline`, in seconds.
+
+        Times are ``time.perf_counter()`` minus ``origin`` (default: this rank's first
+        start). On Linux that clock is shared by the processes of a machine, so a trainer
+        can gather ``trace(origin=0.0)`` from every rank, subtract the smallest start and
+        merge the events; ``to_chrome_trace(timeline, us_per_unit=1e6)`` writes it.
+        """
+        events = list(self._events)
+        base = origin if origin is not None else (events[0].start if events else 0.0)
+        shifted = tuple(Event(e.rank, e.action, e.start - base, e.end - base) for e in events)
+        return Timeline(self._plan.name, {self._rank: shifted})
+
+    # -- setup -----------------------------------------------------------------------------
+
+    def _require_setup(self) -> None:
+        if self._balance is None:
+            raise ConfigError(
+                "balance=None: the split is profiled in the first train_step; call it first, "
+                "or pass balance=[...]"
+            )
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise StageError(f"rank {self._rank}: pipeline stopped after a failure: {self._broken}")
+
+    def _profile(self, batch: Batch) -> None:
+        """Rank 0 profiles the layers on one micro-batch and broadcasts the split."""
+        split = torch.zeros(self._d, dtype=torch.int64)
+        if self._rank == 0:
+            profile = profile_layers(self._module, batch.inputs[0].to(self._device))
+            split = torch.tensor(balance_costs(profile.seconds, self._d), dtype=torch.int64)
+        comm.broadcast_tensors_async(
+            [split],
+            src=0,
+            group=self._group,
+            what="broadcast of the profiled balance",
+            timeout_s=self._timeout_s,
+        ).wait()
+        self._setup(check_balance([int(v) for v in split.tolist()], len(self._module), self._d))
+
+    def _setup(self, split: list[int]) -> None:
+        for s, part in stage_modules(self._module, split, self.stages).items():
+            self._stages[s] = Stage(
+                s,
+                part.to(self._device),
+                last=s == self._d - 1,
+                loss_fn=self._loss_fn,
+                optimizer=self._optimizer,
+                num_microbatches=self._m,
+                versioned=self._plan.name == "2bw",
+                track_memory=self._track_memory,
+            )
+        self._balance = split
+
+    def _take(self, batches: Iterator[Any]) -> Batch:
+        batch = take_batch(batches, self._next_batch, self._m)
+        self._next_batch += 1
+        return batch
+
+    # -- one call ----------------------------------------------------------------------------
+
+    def _run_call(self, segment: Segment, current: Batch, nxt: Batch | None) -> float:
+        self._batches = {current.index: current}
+        if nxt is not None:
+            self._batches[nxt.index] = nxt
+        actions = segment.at(self._rank, current.index)
+        self._call += 1
+        try:
+            self._links.expect_call(actions)
+        except CommError as exc:
+            self._broken = str(exc)
+            raise
+        for action in actions:
+            start = time.perf_counter()
+            try:
+                self._links.progress()
+                self._handlers[action.kind](action)
+            except CommError as exc:
+                self._broken = str(exc)
+                raise
+            except Exception as exc:
+                what = (
+                    f"rank {self._rank} (stage {action.stage}): {action.kind.name} "
+                    f"mb {action.microbatch} of step {action.batch} ({action}) failed: "
+                    f"{type(exc).__name__}: {exc}"
+                )
+                self._broken = what
+                raise StageError(what) from exc
+            self._events.append(Event(self._rank, action, start, time.perf_counter()))
+        try:
+            self._links.wait_sends(self._call, everything=segment.kind in ("drain", "single"))
+            return self._broadcast_loss(current.index)
+        except CommError as exc:
+            self._broken = str(exc)
+            raise
+
+    def _broadcast_loss(self, batch: int) -> float:
+        """Every rank gets the batch loss from the last stage. The last stage does not wait
+        for the others to take it (its broadcast completes during its next call), so it
+        can go on with the next batch while the first stage finishes this one."""
+        value = torch.zeros(1, dtype=torch.float64, device=self._device)
+        last = self._stages.get(self._d - 1)
+        if last is not None:
+            value.fill_(last.pop_loss(batch))
+        pending = comm.broadcast_tensors_async(
+            [value],
+            src=self._last_rank,
+            group=self._group,
+            what=f"loss broadcast of step {batch}",
+            timeout_s=self._timeout_s,
+        )
+        if last is not None:
+            self._links.hold(self._call, pending)
+            return float(value.item())
+        pending.wait()
+        return float(value.item())
+
+    # -- action handlers -----------------------------------------------------------------------
+
+    def _recv(self, a: Action) -> None:
+        assert a.batch is not None and a.microbatch is not None
+        self._inbox[(a.kind, a.stage, a.batch, a.microbatch)] = self._links.recv(a)
+
+    def _send(self, a: Action) -> None:
+        assert a.batch is not None and a.microbatch is not None
+        source = K.FORWARD if a.kind is K.SEND_F else K.BACKWARD
+        self._links.send(a, self._inbox.pop((source, a.stage, a.batch, a.microbatch)), self._call)
+
+    def _forward(self, a: Action) -> None:
+        assert a.batch is not None and a.microbatch is not None
+        batch, mb = self._batches[a.batch], a.microbatch
+        stage = self._stages[a.stage]
+        if stage.first:
+            x = batch.inputs[mb].to(self._device)
+        else:
+            x = self._inbox.pop((K.RECV_F, a.stage, a.batch, mb))
+        target = batch.targets[mb].to(self._device) if stage.last else None
+        out = stage.forward((a.batch, mb), x, a.version, target, recompute=self._recompute)
+        if not stage.last:
+            self._inbox[(K.FORWARD, a.stage, a.batch, mb)] = out.detach()
+
+    def _recompute_action(self, a: Action) -> None:
+        assert a.batch is not None and a.microbatch is not None
+        self._stages[a.stage].recompute((a.batch, a.microbatch))
+
+    def _backward(self, a: Action) -> None:
+        assert a.batch is not None and a.microbatch is not None
+        stage = self._stages[a.stage]
+        grad = None if stage.last else self._inbox.pop((K.RECV_B, a.stage, a.batch, a.microbatch))
+        grad_in = stage.backward((a.batch, a.microbatch), grad)
+        if grad_in is not None:
+            self._inbox[(K.BACKWARD, a.stage, a.batch, a.microbatch)] = grad_in
+
+    def _reduce(self, a: Action) -> None:
+        """Gradient allreduce over data-parallel replicas of the stage: none yet (one pipeline)."""
+
+    def _step(self, a: Action) -> None:
+        assert a.batch is not None
+        self._stages[a.stage].step(a.batch, a.version, before=lambda: None)
