@@ -17,7 +17,7 @@ barrier before each timed step), so that all of them meet the same background lo
 shared 2-core machine; ``--schedule sequential`` starts one pair of ranks per configuration.
 The network is deleted at the end, also on errors and signals (EmulatedNetwork's cleanup).
 
-    sudo .venv/bin/python benchmarks/lowbw.py                     # ~13 min on 2 cores
+    sudo .venv/bin/python benchmarks/lowbw.py                     # ~13-15 min on 2 cores
     sudo .venv/bin/python benchmarks/lowbw.py --steps 60          # quick look
     .venv/bin/python benchmarks/lowbw.py --loopback               # fast network (127.0.0.1)
 
@@ -57,7 +57,8 @@ Design choices (all are options):
 
 ``--loopback`` runs instead on 127.0.0.1 (``syncline.testing.run_ranks``), all engines in one
 pair of processes, timed in rotating segments so that drift favours none, and reports each
-compressor's samples/s relative to plain DDP. Results go to ``--out`` (default
+compressor's samples/s relative to plain DDP (``--loopback-global-batch N`` repeats it at
+another batch, stored as ``loopback_batchN``). Results go to ``--out`` (default
 ``benchmarks/results/lowbw.json``); each mode replaces only its own section of that file.
 """
 
@@ -621,6 +622,10 @@ def _loopback(a: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
     from syncline.testing import run_ranks
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # 127.0.0.1; the spawned ranks inherit it
+    if a.loopback_global_batch:
+        if a.loopback_global_batch % WORLD:
+            raise SystemExit(f"lowbw: --loopback-global-batch must be a multiple of {WORLD}")
+        s = {**s, "global_batch": a.loopback_global_batch}
     names = [c for c in a.loopback_configs.split(",") if c]
     if "ddp" not in names:
         names.append("ddp")
@@ -781,6 +786,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loopback", action="store_true", help="fast-network mode only")
     ap.add_argument("--both", action="store_true", help="emulated link, then loopback")
     ap.add_argument("--loopback-configs", default=",".join((*SYNCLINE_CONFIGS, "ddp")))
+    ap.add_argument(
+        "--loopback-global-batch",
+        type=int,
+        default=0,
+        help="loopback only: sequences per step (0: --global-batch, the emulated run's)",
+    )
     ap.add_argument("--loopback-rounds", type=int, default=7)
     ap.add_argument("--loopback-segment", type=int, default=10)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "lowbw.json"))
@@ -795,8 +806,12 @@ def main(argv: list[str] | None = None) -> int:
         _print_emulated(e)
     if a.loopback or a.both:
         lb = _loopback(a, s)
-        _merge_write(out, "loopback", lb)
-        print("\n== loopback (127.0.0.1), samples/s over DDP ==")
+        key = f"loopback_batch{a.loopback_global_batch}" if a.loopback_global_batch else "loopback"
+        _merge_write(out, key, lb)
+        print(
+            f"\n== loopback (127.0.0.1), global batch {lb['settings']['global_batch']}, "
+            "samples/s over DDP =="
+        )
         for name, c in lb["configs"].items():
             print(
                 f"{name:13s} {c['samples_per_s_median']:7.2f} samples/s  x{c['over_ddp']:.3f}"
