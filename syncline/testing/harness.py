@@ -38,6 +38,14 @@ class RankFailure(RuntimeError):
         self.detail = detail
 
 
+def _write_status(path: str, text: str) -> None:
+    """Write atomically: the parent polls, and must never read a half-written status."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def _worker(
     fn: Callable[..., Any],
     rank: int,
@@ -64,11 +72,9 @@ def _worker(
         )
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(workdir, f"rank{rank}.pt"))
-        with open(status_path, "w") as f:
-            f.write("ok")
+        _write_status(status_path, "ok")
     except BaseException:
-        with open(status_path, "w") as f:
-            f.write("error\n" + traceback.format_exc())
+        _write_status(status_path, "error\n" + traceback.format_exc())
         raise SystemExit(1) from None
     finally:
         comm.destroy()
