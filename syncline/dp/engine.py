@@ -259,7 +259,8 @@ class DataParallel(nn.Module):
                 "this too: use non-reentrant checkpointing"
             )
         self._ready[i] = True
-        self._order_seen.append(i)
+        if self._steps_synced == 0 and self.config.rebuild_buckets:
+            self._order_seen.append(i)  # only the first step's order is ever used
         self._remaining[self._plan.bucket_of[i]] -= 1
         self._launch_ready_buckets()
 
