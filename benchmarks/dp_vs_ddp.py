@@ -1,12 +1,17 @@
 """syncline.DataParallel vs torch DDP: same model, data, settings, ranks; alternated in one run.
 
-For each model (GPT on the stdlib corpus, CNN on sklearn digits), 2 gloo ranks train a copy
-with each engine in alternating segments (ABBA order, so drift does not favour either), and the
-median samples/s over the pairs is reported with the ratio. Separately, the gradient buffer's
-bucketed allreduce through syncline is timed against one raw gloo allreduce of a buffer of the
-same size (the limit), as bus bandwidth: busbw = n/T * 2(p-1)/p.
+For each model (GPT on the stdlib corpus, CNN on sklearn digits), 2 gloo ranks hold one copy
+trained by each engine and alternate them *step by step* (ABBA order over pairs, so neither
+engine always runs first); every step starts from a barrier and is timed alone. A pair is one
+step of each engine on the same batch; the report gives the median samples/s of each engine,
+their ratio, the median of the per-pair ratios, and the main thread's CPU time per step (a
+figure that other load on the machine disturbs far less than wall time). Interleaving single
+steps, rather than segments of many, keeps slow drift of a shared machine (other processes,
+frequency changes) out of the ratio. Separately, the gradient buffer's bucketed allreduce
+through syncline is timed against one raw gloo allreduce of a buffer of the same size (the
+limit), as bus bandwidth: busbw = n/T * 2(p-1)/p.
 
-    python benchmarks/dp_vs_ddp.py --pairs 7 --steps 20 --out benchmarks/results/dp_vs_ddp.json
+    python benchmarks/dp_vs_ddp.py --pairs 200 --out benchmarks/results/dp_vs_ddp.json
 """
 
 from __future__ import annotations
@@ -33,42 +38,45 @@ MODELS = {
     "gpt": TrainConfig(model="gpt", batch_size=32),
     "cnn": TrainConfig(model="cnn", batch_size=128),
 }
+ENGINES = ("syncline", "ddp")
 
 
-def _segment(engine, opt, loss_fn, batches, start: int, steps: int) -> float:
-    comm.barrier(what="segment start")
-    t0 = time.perf_counter()
-    for step in range(start, start + steps):
-        x, y = batches.batch(step)
-        opt.zero_grad(set_to_none=True)
-        loss_fn(engine(x), y).backward()
-        opt.step()
-    comm.barrier(what="segment end")
-    return time.perf_counter() - t0
+def _timed_step(engine, opt, loss_fn, batch) -> tuple[float, float]:
+    """One training step from a barrier: (wall seconds, main-thread CPU seconds)."""
+    x, y = batch
+    comm.barrier(what="step start")
+    t0, c0 = time.perf_counter(), time.thread_time()
+    opt.zero_grad(set_to_none=True)
+    loss_fn(engine(x), y).backward()
+    opt.step()
+    return time.perf_counter() - t0, time.thread_time() - c0
 
 
 def _busbw(nbytes: float, seconds: float, p: int) -> float:
     return nbytes / seconds * 2 * (p - 1) / p
 
 
-def _rank(rank: int, world: int, name: str, pairs: int, steps: int, warmup: int) -> dict:
+def _rank(rank: int, world: int, name: str, pairs: int, warmup: int) -> dict:
     cfg = MODELS[name]
     loss_fn = model_loss(name)
     dataset, _ = build_dataset(cfg)
     batches = ShardedBatches(dataset, cfg.batch_size, rank, world, cfg.seed)
     engines = {}
-    for kind in ("syncline", "ddp"):
+    for kind in ENGINES:
         model = build_model_for(cfg)
         wrapped = DataParallel(model) if kind == "syncline" else DDP(model)
-        opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
-        _segment(wrapped, opt, loss_fn, batches, 0, warmup)
-        engines[kind] = (wrapped, opt)
-    times: dict[str, list[float]] = {"syncline": [], "ddp": []}
+        engines[kind] = (wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-3))
+    for step in range(warmup):
+        for wrapped, opt in engines.values():
+            _timed_step(wrapped, opt, loss_fn, batches.batch(step))
+    wall: dict[str, list[float]] = {k: [] for k in ENGINES}
+    cpu: dict[str, list[float]] = {k: [] for k in ENGINES}
     for i in range(pairs):
-        order = ("syncline", "ddp") if i % 2 == 0 else ("ddp", "syncline")
-        for kind in order:
-            wrapped, opt = engines[kind]
-            times[kind].append(_segment(wrapped, opt, loss_fn, batches, warmup + i * steps, steps))
+        batch = batches.batch(warmup + i)
+        for kind in ENGINES if i % 2 == 0 else ENGINES[::-1]:
+            w, c = _timed_step(*engines[kind], loss_fn, batch)
+            wall[kind].append(w)
+            cpu[kind].append(c)
     # collective path alone: syncline's bucketed buffer vs one raw allreduce of the same size
     dp = engines["syncline"][0]
     nbytes = dp.bucket_plan.total_numel * 4
@@ -82,8 +90,9 @@ def _rank(rank: int, world: int, name: str, pairs: int, steps: int, warmup: int)
         raw.allreduce(buf, "raw allreduce").wait()
         limit.append(time.perf_counter() - t0)
     return {
-        "times": times,
-        "samples_per_segment": cfg.batch_size * steps,
+        "wall": wall,
+        "cpu": cpu,
+        "batch_size": cfg.batch_size,
         "grad_bytes": nbytes,
         "buckets": len(dp.bucket_plan.buckets),
         "bucketed_allreduce_s": statistics.median(ours),
@@ -91,21 +100,23 @@ def _rank(rank: int, world: int, name: str, pairs: int, steps: int, warmup: int)
     }
 
 
-def run(name: str, pairs: int, steps: int, warmup: int, world: int) -> dict:
-    res = run_ranks(_rank, world, name, pairs, steps, warmup, timeout_s=1800, comm_timeout_s=300)[0]
-    n = res["samples_per_segment"]
-    sps = {k: [n / t for t in v] for k, v in res["times"].items()}
+def run(name: str, pairs: int, warmup: int, world: int) -> dict:
+    res = run_ranks(_rank, world, name, pairs, warmup, timeout_s=3600, comm_timeout_s=300)[0]
+    sps = {k: [res["batch_size"] / t for t in v] for k, v in res["wall"].items()}
     ratios = [a / b for a, b in zip(sps["syncline"], sps["ddp"], strict=True)]
+    cpu_ms = {k: 1e3 * statistics.median(v) for k, v in res["cpu"].items()}
     return {
         "model": name,
         "world_size": world,
         "pairs": pairs,
-        "steps_per_segment": steps,
+        "global_batch": res["batch_size"],
         "syncline_samples_per_s": statistics.median(sps["syncline"]),
         "ddp_samples_per_s": statistics.median(sps["ddp"]),
         "ratio_of_medians": statistics.median(sps["syncline"]) / statistics.median(sps["ddp"]),
         "median_pair_ratio": statistics.median(ratios),
-        "pair_ratios": ratios,
+        "pair_ratio_quartiles": statistics.quantiles(ratios, n=4),
+        "syncline_cpu_ms_per_step": cpu_ms["syncline"],
+        "ddp_cpu_ms_per_step": cpu_ms["ddp"],
         "grad_bytes": res["grad_bytes"],
         "buckets": res["buckets"],
         "bucketed_allreduce_busbw_GBps": _busbw(
@@ -120,8 +131,7 @@ def run(name: str, pairs: int, steps: int, warmup: int, world: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="gpt,cnn")
-    ap.add_argument("--pairs", type=int, default=7)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--pairs", type=int, default=200, help="steps of each engine, interleaved")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--out", default="benchmarks/results/dp_vs_ddp.json")
@@ -129,7 +139,7 @@ def main() -> int:
     if a.pairs < 5:
         print("dp_vs_ddp: --pairs must be >= 5 (medians need at least 5 pairs)", file=sys.stderr)
         return 2
-    results = [run(m, a.pairs, a.steps, a.warmup, a.world) for m in a.models.split(",")]
+    results = [run(m, a.pairs, a.warmup, a.world) for m in a.models.split(",")]
     out = {"benchmark": "dp_vs_ddp", "torch": torch.__version__, "results": results}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
@@ -137,7 +147,9 @@ def main() -> int:
         print(
             f"{r['model']}: syncline {r['syncline_samples_per_s']:.1f} vs DDP "
             f"{r['ddp_samples_per_s']:.1f} samples/s -> ratio {r['ratio_of_medians']:.3f} "
-            f"(median pair ratio {r['median_pair_ratio']:.3f}); allreduce busbw "
+            f"(median pair ratio {r['median_pair_ratio']:.3f}); CPU/step "
+            f"{r['syncline_cpu_ms_per_step']:.1f} vs {r['ddp_cpu_ms_per_step']:.1f} ms; "
+            f"allreduce busbw "
             f"{r['bucketed_allreduce_busbw_GBps']:.2f} vs raw "
             f"{r['raw_allreduce_busbw_GBps']:.2f} GB/s"
         )
