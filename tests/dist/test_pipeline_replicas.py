@@ -3,19 +3,22 @@ on the whole batch (2BW: the stale rule); fp16 REDUCE close to the dense one; ba
 
 One spawn runs every case. Each replica trains on its half of every global batch of
 ``test_pipeline_parity``, whose single-process references (the unsplit model on the whole
-batch) are reused, so the averaged gradients must equal the whole batch's.
+batch) are reused, so the averaged gradients must equal the whole batch's. The last case
+breaks the groups on purpose (a replica that starts late), so it runs last.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 
 from syncline import comm
 from syncline.dp.compressors import FP16
-from syncline.errors import ConfigError
+from syncline.errors import CommError, ConfigError
 from syncline.models import lm_loss
-from syncline.pipeline import Pipeline
+from syncline.pipeline import Pipeline, StageError
 from syncline.testing import run_ranks
 from tests.dist.test_pipeline_parity import STEPS, _data, _gpt, _optimizer, _reference
 
@@ -80,7 +83,7 @@ def _bad_layouts(pipe_group: comm.Group, dp_group: comm.Group) -> list[str]:
     return messages
 
 
-def _train_with(**groups: comm.Group) -> Pipeline:
+def _train_with(timeout_s: float = 30.0, **groups: comm.Group) -> Pipeline:
     return Pipeline(
         _gpt(),
         num_stages=2,
@@ -88,9 +91,22 @@ def _train_with(**groups: comm.Group) -> Pipeline:
         loss_fn=lm_loss,
         optimizer=_optimizer("sgd"),
         balance=[2, 2],
-        timeout_s=30,
+        timeout_s=timeout_s,
         **groups,
     )
+
+
+def _late_replica(pipe_group: comm.Group, dp_group: comm.Group) -> str:
+    """Replica 1 starts its first step 3 s late: replica 0 waits in its REDUCE and times out."""
+    pipe = _train_with(timeout_s=1.0, process_group=pipe_group, data_parallel_group=dp_group)
+    replica = comm.group_rank(dp_group)
+    if replica == 1:
+        time.sleep(3.0)
+    try:
+        pipe.train_step(iter(_shard(replica)))
+    except (CommError, StageError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
 
 
 def _rank(rank: int, world: int) -> dict:
@@ -101,6 +117,7 @@ def _rank(rank: int, world: int) -> dict:
     }
     for name in CASES:
         out[name] = _train(name, pipe_group, dp_group)
+    out["late"] = _late_replica(pipe_group, dp_group)  # last: leaves the groups broken
     return out
 
 
@@ -162,3 +179,15 @@ def test_bad_layouts_raise_config_errors_naming_the_values(per_rank) -> None:
         assert "process_group ranks (0, 1, 2, 3)" in world_as_pipeline
         pipe = (0, 2) if rank % 2 == 0 else (1, 3)
         assert f"share ranks {list(pipe)}" in same_group
+
+
+def test_a_late_replica_times_out_its_peers_naming_rank_step_and_action(per_rank) -> None:
+    for rank, stage in ((0, 0), (2, 1)):
+        error = per_rank[rank]["late"]
+        assert error.startswith(
+            f"CommTimeout: rank {rank}: REDUCE of stage {stage} at step 0 over data-parallel "
+            f"ranks ({rank}, {rank + 1}) failed: rank {rank}: "
+        ), error
+        assert "did not complete within 1s" in error, error
+    for rank in (1, 3):  # their peers are gone: they fail too, instead of hanging
+        assert per_rank[rank]["late"] != "no error"
