@@ -30,13 +30,14 @@ import torch
 from torch import nn
 
 from syncline import comm
-from syncline.comm.p2p import MAX_TAG, PointToPoint
+from syncline.comm.p2p import PointToPoint
 from syncline.dp.compression import Compressor
 from syncline.errors import CommError, ConfigError
 from syncline.partition import balance as balance_costs
 from syncline.partition import check_balance, stage_bounds
 from syncline.pipeline.batches import Batch, take_batch
-from syncline.pipeline.links import Links, max_tag
+from syncline.pipeline.checks import check_args, check_callables
+from syncline.pipeline.links import Links
 from syncline.pipeline.memory import StageMemoryStats
 from syncline.pipeline.plan import SCHEDULES, Plan, Segment, build_plan
 from syncline.pipeline.profile import profile_layers
@@ -50,46 +51,6 @@ K = ActionKind
 
 class StageError(RuntimeError):
     """A stage failed while executing an action; the message names rank, step and action."""
-
-
-def _check_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name}={value!r} is invalid; valid: an int >= 1")
-    return value
-
-
-def _check_args(
-    module: object,
-    num_stages: int,
-    num_microbatches: int,
-    schedule: str,
-    balance: list[int] | None,
-    timeout_s: float,
-) -> None:
-    """The checks that need no process group, each naming the value (the plan checks the
-    sizes against the group)."""
-    if not isinstance(module, nn.Sequential):
-        raise ConfigError(f"module is a {type(module).__name__}; valid: an nn.Sequential of layers")
-    d = _check_int("num_stages", num_stages)
-    m = _check_int("num_microbatches", num_microbatches)
-    if schedule not in SCHEDULES:
-        raise ConfigError(f"schedule={schedule!r} is unknown; valid: {', '.join(SCHEDULES)}")
-    if d > len(module):
-        raise ConfigError(
-            f"num_stages={d} is more than the module's {len(module)} layers; "
-            f"valid: num_stages <= {len(module)}"
-        )
-    if schedule == "2bw" and m < d:
-        raise ConfigError(
-            f"num_microbatches={m} must be >= num_stages={d} for 2bw (stage 0 would need a "
-            "weight version not made yet)"
-        )
-    if balance is not None:
-        check_balance(balance, len(module), d)
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0:
-        raise ConfigError(f"timeout_s={timeout_s!r} is invalid; valid: seconds > 0")
-    if max_tag(d, m) > MAX_TAG:
-        raise ConfigError(f"num_stages * num_microbatches={d * m} is too large for message tags")
 
 
 class Pipeline:
@@ -163,11 +124,8 @@ class Pipeline:
         data_parallel_group: comm.Group = None,
         compression: Compressor | None = None,
     ) -> None:
-        _check_args(module, num_stages, num_microbatches, schedule, balance, timeout_s)
-        if not callable(loss_fn) or not callable(optimizer):
-            raise ConfigError("loss_fn and optimizer must be callables")
-        if not isinstance(recompute, bool):
-            raise ConfigError(f"recompute={recompute!r} is invalid; valid: True or False")
+        check_args(module, num_stages, num_microbatches, schedule, balance, timeout_s)
+        check_callables(loss_fn, optimizer, recompute)
         self._compression = check_compression(compression)
         width = (
             1 if data_parallel_group is None else check_groups(process_group, data_parallel_group)
