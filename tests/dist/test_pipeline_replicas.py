@@ -32,6 +32,7 @@ CASES = {
     "2bw": ("2bw", 2, [1, 3], 2, None),
     "2bw-fp16": ("2bw", 2, [1, 3], 2, "fp16"),
     "interleaved": ("interleaved", 2, [1, 1, 1, 1], 4, None),
+    "1f1b-profiled": ("1f1b", 2, None, 2, None),  # each pipeline profiles: the first's wins
 }
 
 
@@ -62,7 +63,7 @@ def _train(name: str, pipe_group: comm.Group, dp_group: comm.Group) -> dict:
     batches = iter(_shard(comm.group_rank(dp_group)))
     losses = [pipe.train_step(batches) for _ in range(STEPS - 1)]
     losses.append(pipe.flush() if schedule == "2bw" else pipe.train_step(batches))
-    return {"state": pipe.local_state_dict(), "losses": losses}
+    return {"state": pipe.local_state_dict(), "losses": losses, "balance": pipe.balance}
 
 
 def _bad_layouts(pipe_group: comm.Group, dp_group: comm.Group) -> list[str]:
@@ -156,6 +157,11 @@ def test_replicas_match_one_process_on_the_whole_batch(per_rank, name: str) -> N
             )
     for r in per_rank:  # every rank returns the loss averaged over the replicas
         assert r[name]["losses"] == pytest.approx(want_losses, abs=1e-5), name
+
+
+def test_replicas_agree_on_a_profiled_balance(per_rank) -> None:
+    splits = [r["1f1b-profiled"]["balance"] for r in per_rank]
+    assert all(split == splits[0] for split in splits) and sum(splits[0]) == 4, splits
 
 
 def test_fp16_reduce_is_close_to_the_dense_one(per_rank) -> None:
