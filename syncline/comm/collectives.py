@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from syncline.comm.groups import Group, group_rank, group_size
+from syncline.comm.groups import Group, global_rank, group_rank, group_size
 from syncline.errors import CommError, CommTimeout
 
 
@@ -27,6 +27,8 @@ class Pending:
         works: the torch ``Work`` handles to wait for, in order.
         what: human description for errors, e.g. ``"allreduce of bucket 3 at step 17"``.
         timeout_s: how long each wait may take.
+        rank: the rank errors name: the global one (the one in logs and launcher messages),
+            also for a subgroup, whose own numbering would point at another process.
         then: optional follow-up run once all works are done (e.g. decompression).
         wire_bytes: payload bytes this rank handed to the network for this operation (the
             compressed size for compressors), before the algorithm's own traffic factor
@@ -112,7 +114,7 @@ class FlatAllreduce:
 
     def _pending(self, work: dist.Work | None, what: str, nbytes: int) -> Pending:
         works = [] if work is None else [work]
-        return Pending(works, what, self._timeout_s, self.rank, wire_bytes=nbytes)
+        return Pending(works, what, self._timeout_s, global_rank(), wire_bytes=nbytes)
 
     def allreduce(self, tensor: torch.Tensor, what: str) -> Pending:
         nbytes = tensor.numel() * tensor.element_size()
@@ -121,7 +123,7 @@ class FlatAllreduce:
         try:
             work = dist.all_reduce(tensor, group=self._group, async_op=True)
         except RuntimeError as exc:
-            raise CommError(f"rank {self.rank}: {what} could not start: {exc}") from exc
+            raise CommError(f"rank {global_rank()}: {what} could not start: {exc}") from exc
         return self._pending(work, what, nbytes)
 
     def allgather(self, tensor: torch.Tensor, what: str) -> tuple[Pending, list[torch.Tensor]]:
@@ -131,7 +133,7 @@ class FlatAllreduce:
         try:
             work = dist.all_gather(out, tensor.contiguous(), group=self._group, async_op=True)
         except RuntimeError as exc:
-            raise CommError(f"rank {self.rank}: {what} could not start: {exc}") from exc
+            raise CommError(f"rank {global_rank()}: {what} could not start: {exc}") from exc
         return self._pending(work, what, tensor.numel() * tensor.element_size()), out
 
 
@@ -167,7 +169,7 @@ def broadcast_tensors_async(
     try:
         work = dist.broadcast(flat, src=global_src, group=group, async_op=True)
     except RuntimeError as exc:
-        raise CommError(f"rank {rank}: {what} could not start: {exc}") from exc
+        raise CommError(f"rank {global_rank()}: {what} could not start: {exc}") from exc
 
     def unpack() -> None:
         if rank == src:
@@ -177,7 +179,7 @@ def broadcast_tensors_async(
                 n = t.numel() * t.element_size()
                 t.copy_(flat[off : off + n].view(t.dtype).view(t.shape))
 
-    return Pending([work], what, timeout_s, rank, then=unpack, wire_bytes=flat.numel())
+    return Pending([work], what, timeout_s, global_rank(), then=unpack, wire_bytes=flat.numel())
 
 
 def broadcast_tensors(

@@ -11,6 +11,7 @@ import os
 
 import torch.distributed as dist
 
+from syncline.comm.topology import PipelineLayout, Ranks
 from syncline.errors import CommError, ConfigError
 
 #: A process group handle; ``None`` means the default (world) group, as in torch.
@@ -88,6 +89,68 @@ def group_rank(group: Group = None) -> int:
 
 def group_size(group: Group = None) -> int:
     return dist.get_world_size(group) if is_initialized() else 1
+
+
+def global_rank() -> int:
+    """This process's rank in the default (world) group; 0 when no group is running."""
+    return dist.get_rank() if is_initialized() else 0
+
+
+def group_ranks(group: Group = None) -> Ranks:
+    """The global ranks of ``group``'s members, in group-rank order."""
+    if not is_initialized():
+        return (0,)
+    if group is None:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def is_member(group: Group) -> bool:
+    """Whether this rank belongs to ``group`` (``new_group`` hands non-members a placeholder)."""
+    return group is None or (is_initialized() and dist.get_rank(group) >= 0)
+
+
+def build_pipeline_groups(num_stages: int, *, timeout_s: float = 300.0) -> tuple[Group, Group]:
+    """Create every pipeline and data-parallel group (collective over the world: every rank
+    calls it, same args); returns (this rank's pipeline group, this rank's data-parallel group).
+
+    The layout is :class:`~syncline.comm.topology.PipelineLayout`'s: rank
+    ``stage * width + replica``, so a stage's replicas are consecutive ranks (one node) and
+    their gradient allreduce uses the fast links. ``torch.distributed.new_group`` is itself
+    collective over the world, so every rank creates every group, in the same order (the
+    pipelines, then the data-parallel groups), and keeps its own two.
+
+    Args:
+        num_stages: pipeline depth in ranks (interleaved: ranks per pipeline); must divide
+            the world size.
+        timeout_s: how long any operation on the new groups may wait.
+
+    Raises:
+        ConfigError: no default group is running, the world size is not divisible by
+            ``num_stages``, or ``timeout_s`` is not positive (before any group is created).
+
+    Example:
+        >>> pipe_group, dp_group = build_pipeline_groups(2)  # 4 ranks: 2 stages x 2 replicas
+        >>> Pipeline(model, num_stages=2, num_microbatches=4, loss_fn=lm_loss,
+        ...          optimizer=opt, process_group=pipe_group, data_parallel_group=dp_group)
+    """
+    if not is_initialized():
+        raise ConfigError("build_pipeline_groups needs a running default group; init it first")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0:
+        raise ConfigError(f"timeout_s={timeout_s!r} is invalid; valid: seconds > 0")
+    layout = PipelineLayout(dist.get_world_size(), num_stages)
+    rank = dist.get_rank()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    mine: dict[str, Group] = {}
+    for kind, groups in (
+        ("pipeline", [layout.pipeline_ranks(i) for i in range(layout.width)]),
+        ("data_parallel", [layout.data_parallel_ranks(s) for s in range(num_stages)]),
+    ):
+        for ranks in groups:
+            group = dist.new_group(list(ranks), timeout=timeout)
+            if rank in ranks:
+                mine[kind] = group
+    return mine["pipeline"], mine["data_parallel"]
 
 
 def barrier(group: Group = None, *, timeout_s: float | None = None, what: str = "barrier") -> None:

@@ -1,4 +1,5 @@
-"""Which ranks share a node, and what an allreduce costs over two link speeds (pure, no torch).
+"""Which ranks share a node, how pipelines and their replicas tile the ranks, and what an
+allreduce costs over two link speeds (pure, no torch).
 
 The layout is torchrun's: ranks are numbered node by node, so node ``i`` holds the consecutive
 ranks ``i*k .. i*k+k-1`` (``k`` ranks per node), and a rank's local rank is ``rank % k``.
@@ -6,6 +7,16 @@ For ``Topology(8, 4)``::
 
     node 0: ranks 0 1 2 3      intra-node groups: (0, 1, 2, 3) (4, 5, 6, 7)
     node 1: ranks 4 5 6 7      inter-node groups: (0, 4) (1, 5) (2, 6) (3, 7)
+
+A hybrid pipeline x data-parallel job (PipeDream-2BW's depth ``d`` by width ``w``) puts the
+replicas of one stage on consecutive ranks, ``rank = stage * w + replica``, so that each
+stage's gradient allreduce runs inside a node (the fast links, REFERENCE.md section 2) and
+only the pipeline's point-to-point messages cross nodes. For ``PipelineLayout(8, 4)``::
+
+    stage 0: ranks 0 1   data-parallel groups: (0, 1) (2, 3) (4, 5) (6, 7)
+    stage 1: ranks 2 3   pipeline groups:      (0, 2, 4, 6) (1, 3, 5, 7)
+    stage 2: ranks 4 5
+    stage 3: ranks 6 7
 
 The cost functions use the alpha-beta model of REFERENCE.md section 1 (GradientFlow, Sun et al.
 2019; hierarchical allreduce: Jia et al. 2018, Mikami et al. 2018). Sizes are bytes, times
@@ -112,6 +123,94 @@ class Topology:
     def _check(self, name: str, value: int, bound: int) -> None:
         if not 0 <= value < bound:
             raise ConfigError(f"{name}={value} out of range [0, {bound}) for {self}")
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """``world_size`` ranks as ``width`` pipelines of ``num_stages`` ranks each.
+
+    Rank ``stage * width + replica`` runs pipeline position ``stage`` of replica ``replica``
+    (see the module docstring for why replicas are contiguous). Pure data, validated on
+    creation; :func:`syncline.comm.groups.build_pipeline_groups` creates the groups.
+
+    Args:
+        world_size: ranks in the job, >= 1.
+        num_stages: pipeline depth in ranks (interleaved: ranks per pipeline, not virtual
+            stages), >= 1 and a divisor of ``world_size``.
+
+    Raises:
+        ConfigError: naming the bad value(s).
+
+    Example:
+        >>> layout = PipelineLayout(6, 3)
+        >>> layout.width, layout.stage_of(4), layout.replica_of(4)
+        (2, 2, 0)
+        >>> layout.pipeline_ranks(1), layout.data_parallel_ranks(2)
+        ((1, 3, 5), (4, 5))
+    """
+
+    world_size: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "num_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"PipelineLayout: {name}={value!r} must be an integer >= 1")
+        if self.world_size % self.num_stages:
+            raise ConfigError(
+                f"world_size={self.world_size} is not divisible by num_stages="
+                f"{self.num_stages}; valid: a world of num_stages x replicas ranks"
+            )
+
+    @property
+    def width(self) -> int:
+        """Number of data-parallel replicas of each stage (pipelines)."""
+        return self.world_size // self.num_stages
+
+    def stage_of(self, rank: int) -> int:
+        """The pipeline position (rank within its pipeline group) of global ``rank``."""
+        self._check("rank", rank, self.world_size)
+        return rank // self.width
+
+    def replica_of(self, rank: int) -> int:
+        """The replica (pipeline) of global ``rank``: which data shard it trains on."""
+        self._check("rank", rank, self.world_size)
+        return rank % self.width
+
+    def pipeline_ranks(self, replica: int) -> Ranks:
+        """The ranks of pipeline ``replica``, stage 0 first."""
+        self._check("replica", replica, self.width)
+        return tuple(range(replica, self.world_size, self.width))
+
+    def data_parallel_ranks(self, stage: int) -> Ranks:
+        """The (consecutive) ranks holding replicas of pipeline position ``stage``."""
+        self._check("stage", stage, self.num_stages)
+        return tuple(range(stage * self.width, (stage + 1) * self.width))
+
+    def _check(self, name: str, value: int, bound: int) -> None:
+        if not 0 <= value < bound:
+            raise ConfigError(f"{name}={value} out of range [0, {bound}) for {self}")
+
+
+def pipeline_grid(world_size: int, num_stages: int) -> tuple[tuple[Ranks, ...], tuple[Ranks, ...]]:
+    """Every pipeline group and every data-parallel group of a ``num_stages``-deep layout.
+
+    Returns:
+        ``(pipeline_groups, data_parallel_groups)``: replica 0's pipeline first, stage 0's
+        replicas first; each group's ranks in increasing order.
+
+    Raises:
+        ConfigError: ``world_size`` is not divisible by ``num_stages`` (naming both).
+
+    Example:
+        >>> pipeline_grid(4, 2)
+        (((0, 2), (1, 3)), ((0, 1), (2, 3)))
+    """
+    layout = PipelineLayout(world_size, num_stages)
+    pipelines = tuple(layout.pipeline_ranks(i) for i in range(layout.width))
+    replicas = tuple(layout.data_parallel_ranks(s) for s in range(num_stages))
+    return pipelines, replicas
 
 
 def _parse_int(name: str, value: int | str) -> int:
@@ -230,10 +329,12 @@ def hierarchical_allreduce_bytes(
 
 __all__ = [
     "AllreduceBytes",
+    "PipelineLayout",
     "Topology",
     "bus_bandwidth",
     "hierarchical_allreduce_bytes",
     "hierarchical_allreduce_time",
+    "pipeline_grid",
     "ring_allreduce_bytes",
     "ring_allreduce_time",
 ]

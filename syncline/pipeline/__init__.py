@@ -7,6 +7,8 @@ into ``train_step`` calls); :mod:`~syncline.pipeline.memory` (measures stashed a
 (stage modules); :mod:`~syncline.pipeline.stage` (one stage's forward, recompute, backward,
 step);
 :mod:`~syncline.pipeline.profile` (layer times for :mod:`syncline.partition`);
+:mod:`~syncline.pipeline.replicas` (REDUCE over a stage's data-parallel replicas);
+:mod:`~syncline.pipeline.checks` (argument checks);
 :mod:`~syncline.pipeline.runtime` (executes the actions, talking through :mod:`syncline.comm`).
 
 Names are resolved lazily, so that the pure planner imports without torch.

@@ -12,6 +12,11 @@ Messages go through :class:`~syncline.pipeline.links.Links` (shapes, tags, recei
 early). Sends are asynchronous; a call waits at its end for the sends of earlier calls (a 2BW
 call sends the next batch's first activations, which the next stage receives in its next
 call), then broadcasts the batch loss from the last stage, which every rank returns.
+
+Data-parallel replicas (PipeDream-2BW's width): with a ``data_parallel_group`` of ``w`` ranks,
+``w`` such pipelines train on their own shards, and each stage's REDUCE action averages its
+gradient with its replicas before the STEP (:mod:`syncline.pipeline.replicas`); the last
+stages average the batch loss before broadcasting it, so every rank returns the global mean.
 """
 
 from __future__ import annotations
@@ -25,15 +30,18 @@ import torch
 from torch import nn
 
 from syncline import comm
-from syncline.comm.p2p import MAX_TAG, PointToPoint
+from syncline.comm.p2p import PointToPoint
+from syncline.dp.compression import Compressor
 from syncline.errors import CommError, ConfigError
 from syncline.partition import balance as balance_costs
 from syncline.partition import check_balance, stage_bounds
 from syncline.pipeline.batches import Batch, take_batch
-from syncline.pipeline.links import Links, max_tag
+from syncline.pipeline.checks import check_args, check_callables
+from syncline.pipeline.links import Links
 from syncline.pipeline.memory import StageMemoryStats
 from syncline.pipeline.plan import SCHEDULES, Plan, Segment, build_plan
 from syncline.pipeline.profile import profile_layers
+from syncline.pipeline.replicas import StageReplicas, check_compression, check_groups
 from syncline.pipeline.split import stage_modules
 from syncline.pipeline.stage import LossFn, OptimizerFactory, Stage
 from syncline.schedule import Action, ActionKind, Event, Timeline
@@ -45,48 +53,9 @@ class StageError(RuntimeError):
     """A stage failed while executing an action; the message names rank, step and action."""
 
 
-def _check_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name}={value!r} is invalid; valid: an int >= 1")
-    return value
-
-
-def _check_args(
-    module: object,
-    num_stages: int,
-    num_microbatches: int,
-    schedule: str,
-    balance: list[int] | None,
-    timeout_s: float,
-) -> None:
-    """The checks that need no process group, each naming the value (the plan checks the
-    sizes against the group)."""
-    if not isinstance(module, nn.Sequential):
-        raise ConfigError(f"module is a {type(module).__name__}; valid: an nn.Sequential of layers")
-    d = _check_int("num_stages", num_stages)
-    m = _check_int("num_microbatches", num_microbatches)
-    if schedule not in SCHEDULES:
-        raise ConfigError(f"schedule={schedule!r} is unknown; valid: {', '.join(SCHEDULES)}")
-    if d > len(module):
-        raise ConfigError(
-            f"num_stages={d} is more than the module's {len(module)} layers; "
-            f"valid: num_stages <= {len(module)}"
-        )
-    if schedule == "2bw" and m < d:
-        raise ConfigError(
-            f"num_microbatches={m} must be >= num_stages={d} for 2bw (stage 0 would need a "
-            "weight version not made yet)"
-        )
-    if balance is not None:
-        check_balance(balance, len(module), d)
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0:
-        raise ConfigError(f"timeout_s={timeout_s!r} is invalid; valid: seconds > 0")
-    if max_tag(d, m) > MAX_TAG:
-        raise ConfigError(f"num_stages * num_microbatches={d * m} is too large for message tags")
-
-
 class Pipeline:
-    """Pipeline-parallel training of an ``nn.Sequential``: one rank per stage.
+    """Pipeline-parallel training of an ``nn.Sequential``: one rank per stage, optionally
+    times ``w`` data-parallel replicas of the whole pipeline.
 
     Every rank builds the same full model (same seed) and constructs the same ``Pipeline``;
     each keeps and trains only its stage's layers. Under 2BW, call :meth:`flush` before
@@ -107,13 +76,23 @@ class Pipeline:
             rank 0 on the first micro-batch of the first ``train_step`` and balances that.
         process_group: the pipeline's group (``None``: the default group); stage ``s`` runs
             on its rank ``s % size``.
+        data_parallel_group: this rank's replicas, one in each other pipeline (``None``: no
+            replicas); both groups from :func:`syncline.comm.build_pipeline_groups`. Each
+            pipeline trains on its own batches (give each replica its shard); REDUCE
+            averages every stage's gradient over its replicas, and ``train_step`` returns
+            the loss averaged over them. Construction broadcasts each stage's weights from
+            its first replica (a collective over the group, as DDP's), once the balance is
+            known; buffers (BatchNorm statistics) are not averaged afterwards.
+        compression: a :class:`~syncline.dp.Compressor` for the REDUCE (default lossless;
+            e.g. ``FP16()``, ``CSC(0.01)``); one bucket per stage. Unused without replicas.
         timeout_s: the longest any wait on another rank may take.
         device: where the stage runs; default: where the module's parameters are.
         track_memory: measure stashed activations for :meth:`memory_stats` with autograd
             saved-tensor hooks (a few per cent of a small model's step time).
 
     Raises:
-        ConfigError: before any work or communication, naming the bad value.
+        ConfigError: before any work or communication, naming the bad value (with replicas:
+            also when they were built with different shapes, found by the first collective).
 
     Example:
         >>> pipe = Pipeline(model, num_stages=2, num_microbatches=4, schedule="1f1b",
@@ -121,6 +100,10 @@ class Pipeline:
         >>> batches = iter(loader)           # the same batches on every rank
         >>> loss = pipe.train_step(batches)  # every rank gets the batch's mean loss
         >>> pipe.flush()                     # 2BW: finish the batch started early
+        >>> pipe_group, dp_group = build_pipeline_groups(2)   # 4 ranks: 2 stages x 2 replicas
+        >>> pipe = Pipeline(model, num_stages=2, num_microbatches=4, loss_fn=lm_loss,
+        ...                 optimizer=opt, process_group=pipe_group,
+        ...                 data_parallel_group=dp_group, compression=FP16())
     """
 
     def __init__(
@@ -138,12 +121,15 @@ class Pipeline:
         timeout_s: float = 300.0,
         device: torch.device | str | None = None,
         track_memory: bool = True,
+        data_parallel_group: comm.Group = None,
+        compression: Compressor | None = None,
     ) -> None:
-        _check_args(module, num_stages, num_microbatches, schedule, balance, timeout_s)
-        if not callable(loss_fn) or not callable(optimizer):
-            raise ConfigError("loss_fn and optimizer must be callables")
-        if not isinstance(recompute, bool):
-            raise ConfigError(f"recompute={recompute!r} is invalid; valid: True or False")
+        check_args(module, num_stages, num_microbatches, schedule, balance, timeout_s)
+        check_callables(loss_fn, optimizer, recompute)
+        self._compression = check_compression(compression)
+        width = (
+            1 if data_parallel_group is None else check_groups(process_group, data_parallel_group)
+        )
         self._d, self._m = num_stages, num_microbatches
         size = comm.group_size(process_group)
         self._plan: Plan = build_plan(
@@ -156,6 +142,11 @@ class Pipeline:
         self._group = process_group
         self._rank = comm.group_rank(process_group)
         self._timeout_s = float(timeout_s)
+        self._replicas = (
+            StageReplicas(data_parallel_group, self._compression, self._timeout_s)
+            if width > 1
+            else None
+        )
         first = next(module.parameters(), None)
         default = first.device if first is not None else torch.device("cpu")
         self._device = torch.device(device) if device is not None else default
@@ -232,6 +223,16 @@ class Pipeline:
                 index, rest = key.split(".", 1)
                 out[f"{lo + int(index)}.{rest}"] = value.detach().clone()
         return out
+
+    @property
+    def compression(self) -> Compressor:
+        """The REDUCE's compressor (its ``state_dict`` belongs in a checkpoint)."""
+        return self._compression
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Replicas of each stage (1: a single pipeline)."""
+        return 1 if self._replicas is None else self._replicas.size
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -337,10 +338,15 @@ class Pipeline:
             what="broadcast of the profiled balance",
             timeout_s=self._timeout_s,
         ).wait()
+        if self._replicas is not None:  # each pipeline profiled its own: take the first's
+            self._replicas.agree(split, "broadcast of the profiled balance")
         self._setup(check_balance([int(v) for v in split.tolist()], len(self._module), self._d))
 
     def _setup(self, split: list[int]) -> None:
-        for s, part in stage_modules(self._module, split, self.stages).items():
+        parts = stage_modules(self._module, split, self.stages)
+        if self._replicas is not None:
+            self._join_replicas(parts)
+        for s, part in parts.items():
             self._stages[s] = Stage(
                 s,
                 part.to(self._device),
@@ -352,6 +358,27 @@ class Pipeline:
                 track_memory=self._track_memory,
             )
         self._balance = split
+
+    def _join_replicas(self, parts: dict[int, nn.Sequential]) -> None:
+        """Check the replicas agree on the pipeline's shape, then copy the first's weights
+        (before the 2BW weight versions are taken from them)."""
+        assert self._replicas is not None
+        trainable = sum(
+            p.numel() for part in parts.values() for p in part.parameters() if p.requires_grad
+        )
+        self._replicas.check_same(
+            [
+                self._rank,
+                self._plan.num_ranks,
+                self._d,
+                self._m,
+                SCHEDULES.index(self._plan.name),
+                int(self._recompute),
+                trainable,
+            ]
+        )
+        for s, part in parts.items():
+            self._replicas.broadcast_weights(s, part)
 
     def _take(self, batches: Iterator[Any]) -> Batch:
         batch = take_batch(batches, self._next_batch, self._m)
@@ -403,6 +430,8 @@ class Pipeline:
         last = self._stages.get(self._d - 1)
         if last is not None:
             value.fill_(last.pop_loss(batch))
+            if self._replicas is not None:
+                self._replicas.average_loss(value, batch)
         pending = comm.broadcast_tensors_async(
             [value],
             src=self._last_rank,
@@ -453,7 +482,12 @@ class Pipeline:
             self._inbox[(K.BACKWARD, a.stage, a.batch, a.microbatch)] = grad_in
 
     def _reduce(self, a: Action) -> None:
-        """Gradient allreduce over data-parallel replicas of the stage: none yet (one pipeline)."""
+        """Average the stage's gradient of ``a.batch`` over its replicas (nothing without)."""
+        if self._replicas is None:
+            return
+        assert a.batch is not None
+        stage = self._stages[a.stage]
+        self._replicas.reduce(a.stage, a.batch, stage.grad_holders(a.batch))
 
     def _step(self, a: Action) -> None:
         assert a.batch is not None

@@ -207,6 +207,17 @@ class Stage:
         grad = mb.input.grad
         return torch.zeros_like(mb.input) if grad is None else grad
 
+    def grad_holders(self, batch: int) -> list[torch.Tensor]:
+        """The trainable tensors whose ``.grad`` holds ``batch``'s accumulated gradient, in
+        parameter order: the Parameters, or under 2BW the weight version the batch ran on
+        (its micro-batches' backwards accumulate there, not into the newest weights; the next
+        batch, on another version or still before its first backward, adds nothing yet)."""
+        version = self._batch_version.get(batch)
+        if self.versions is not None and version is not None:
+            tensors = self.versions.tensors(version).values()
+            return [t for t in tensors if t.requires_grad]
+        return [p for p in self.module.parameters() if p.requires_grad]
+
     def step(self, batch: int, produces: int | None, before: Callable[[], None]) -> None:
         """The optimizer step after ``batch``'s last backward (2BW: makes ``produces``)."""
         used = self._batch_version.pop(batch, None)

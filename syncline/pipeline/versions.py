@@ -107,8 +107,10 @@ class WeightVersions:
             used: the version the finished batch ran on.
             produces: must be ``newest + 1``.
             optimizer: over this stage's Parameters.
-            before: run once the Parameters hold their gradient, before the optimizer (the
-                place for a gradient allreduce over data-parallel replicas).
+            before: run once the Parameters hold their gradient, before the optimizer. The
+                data-parallel average has happened already: the REDUCE action before the
+                STEP replaced ``used``'s ``.grad`` by the replicas' average
+                (:meth:`~syncline.pipeline.stage.Stage.grad_holders`).
 
         Raises:
             RuntimeError: the numbers disagree with the versions held, or the buffer to be

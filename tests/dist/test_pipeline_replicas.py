@@ -1,0 +1,199 @@
+"""Pipelines x data-parallel replicas on 4 gloo ranks (2 stages x 2 replicas) == one process
+on the whole batch (2BW: the stale rule); fp16 REDUCE close to the dense one; bad groups fail.
+
+One spawn runs every case. Each replica trains on its half of every global batch of
+``test_pipeline_parity``, whose single-process references (the unsplit model on the whole
+batch) are reused, so the averaged gradients must equal the whole batch's. The last case
+breaks the groups on purpose (a replica that starts late), so it runs last.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from syncline import comm
+from syncline.dp.compressors import FP16
+from syncline.errors import CommError, ConfigError
+from syncline.models import lm_loss
+from syncline.pipeline import Pipeline, StageError
+from syncline.testing import run_ranks
+from tests.dist.test_pipeline_parity import STEPS, _data, _gpt, _optimizer, _reference
+
+WORLD, DEPTH = 4, 2
+WIDTH = WORLD // DEPTH
+
+# name -> (schedule, microbatches, balance, stages, compression)
+CASES = {
+    "gpipe": ("gpipe", 2, [2, 2], 2, None),
+    "1f1b": ("1f1b", 2, [2, 2], 2, None),
+    "2bw": ("2bw", 2, [1, 3], 2, None),
+    "2bw-fp16": ("2bw", 2, [1, 3], 2, "fp16"),
+    "interleaved": ("interleaved", 2, [1, 1, 1, 1], 4, None),
+    "1f1b-profiled": ("1f1b", 2, None, 2, None),  # each pipeline profiles: the first's wins
+}
+
+
+def _shard(replica: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This replica's half of every global batch."""
+    out = []
+    for x, y in _data():
+        n = x.shape[0] // WIDTH
+        out.append((x[replica * n : (replica + 1) * n], y[replica * n : (replica + 1) * n]))
+    return out
+
+
+def _train(name: str, pipe_group: comm.Group, dp_group: comm.Group) -> dict:
+    schedule, m, balance, stages, compression = CASES[name]
+    pipe = Pipeline(
+        _gpt(),
+        num_stages=stages,
+        num_microbatches=m,
+        schedule=schedule,
+        loss_fn=lm_loss,
+        optimizer=_optimizer("sgd"),
+        balance=balance,
+        process_group=pipe_group,
+        data_parallel_group=dp_group,
+        compression=FP16() if compression == "fp16" else None,
+        timeout_s=30,
+    )
+    batches = iter(_shard(comm.group_rank(dp_group)))
+    losses = [pipe.train_step(batches) for _ in range(STEPS - 1)]
+    losses.append(pipe.flush() if schedule == "2bw" else pipe.train_step(batches))
+    return {"state": pipe.local_state_dict(), "losses": losses, "balance": pipe.balance}
+
+
+def _bad_layouts(pipe_group: comm.Group, dp_group: comm.Group) -> list[str]:
+    """Each misuse must raise ConfigError on every rank before any communication."""
+    attempts = [
+        lambda: comm.build_pipeline_groups(3),
+        lambda: _train_with(process_group=None, data_parallel_group=dp_group),
+        lambda: _train_with(process_group=pipe_group, data_parallel_group=pipe_group),
+    ]
+    messages = []
+    for attempt in attempts:
+        try:
+            attempt()
+        except ConfigError as exc:
+            messages.append(str(exc))
+        else:
+            messages.append("no error")
+    return messages
+
+
+def _train_with(timeout_s: float = 30.0, **groups: comm.Group) -> Pipeline:
+    return Pipeline(
+        _gpt(),
+        num_stages=2,
+        num_microbatches=2,
+        loss_fn=lm_loss,
+        optimizer=_optimizer("sgd"),
+        balance=[2, 2],
+        timeout_s=timeout_s,
+        **groups,
+    )
+
+
+def _late_replica(pipe_group: comm.Group, dp_group: comm.Group) -> str:
+    """Replica 1 starts its first step 3 s late: replica 0 waits in its REDUCE and times out."""
+    pipe = _train_with(timeout_s=1.0, process_group=pipe_group, data_parallel_group=dp_group)
+    replica = comm.group_rank(dp_group)
+    if replica == 1:
+        time.sleep(3.0)
+    try:
+        pipe.train_step(iter(_shard(replica)))
+    except (CommError, StageError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def _rank(rank: int, world: int) -> dict:
+    pipe_group, dp_group = comm.build_pipeline_groups(DEPTH, timeout_s=30)
+    out = {
+        "groups": (comm.group_ranks(pipe_group), comm.group_ranks(dp_group)),
+        "bad": _bad_layouts(pipe_group, dp_group),
+    }
+    for name in CASES:
+        out[name] = _train(name, pipe_group, dp_group)
+    out["late"] = _late_replica(pipe_group, dp_group)  # last: leaves the groups broken
+    return out
+
+
+@pytest.fixture(scope="module")
+def per_rank() -> list[dict]:
+    return run_ranks(_rank, WORLD, timeout_s=150)
+
+
+def _merged(per_rank: list[dict], name: str, replica: int) -> dict[str, torch.Tensor]:
+    """The full model of one replica: the union of its pipeline's ranks' stages."""
+    state: dict[str, torch.Tensor] = {}
+    for rank in range(replica, WORLD, WIDTH):
+        state.update(per_rank[rank][name]["state"])
+    return state
+
+
+def test_groups_put_replicas_of_a_stage_on_consecutive_ranks(per_rank) -> None:
+    assert [r["groups"] for r in per_rank] == [
+        ((0, 2), (0, 1)),
+        ((1, 3), (0, 1)),
+        ((0, 2), (2, 3)),
+        ((1, 3), (2, 3)),
+    ]
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n][4] is None])
+def test_replicas_match_one_process_on_the_whole_batch(per_rank, name: str) -> None:
+    schedule = CASES[name][0]
+    want_state, want_losses = _reference("2bw" if schedule == "2bw" else "1f1b", "sgd")
+    for replica in range(WIDTH):
+        state = _merged(per_rank, name, replica)
+        assert set(state) == set(want_state), name
+        for key, value in want_state.items():
+            torch.testing.assert_close(
+                state[key], value, atol=1e-5, rtol=0, msg=f"{name} replica {replica} {key}"
+            )
+    for r in per_rank:  # every rank returns the loss averaged over the replicas
+        assert r[name]["losses"] == pytest.approx(want_losses, abs=1e-5), name
+
+
+def test_replicas_agree_on_a_profiled_balance(per_rank) -> None:
+    splits = [r["1f1b-profiled"]["balance"] for r in per_rank]
+    assert all(split == splits[0] for split in splits) and sum(splits[0]) == 4, splits
+
+
+def test_fp16_reduce_is_close_to_the_dense_one(per_rank) -> None:
+    for replica in range(WIDTH):
+        dense, half = _merged(per_rank, "2bw", replica), _merged(per_rank, "2bw-fp16", replica)
+        for key, value in dense.items():
+            torch.testing.assert_close(half[key], value, atol=2e-3, rtol=0, msg=key)
+        assert any(not torch.equal(half[k], dense[k]) for k in dense), "fp16 changed nothing"
+    # the replicas still agree exactly: every one applied the same averaged gradient
+    first, second = _merged(per_rank, "2bw-fp16", 0), _merged(per_rank, "2bw-fp16", 1)
+    for key, value in first.items():
+        assert torch.equal(second[key], value), key
+
+
+def test_bad_layouts_raise_config_errors_naming_the_values(per_rank) -> None:
+    for rank, r in enumerate(per_rank):
+        indivisible, world_as_pipeline, same_group = r["bad"]
+        assert "world_size=4 is not divisible by num_stages=3" in indivisible
+        dp = (0, 1) if rank < 2 else (2, 3)
+        assert f"data_parallel_group ranks {dp}" in world_as_pipeline
+        assert "process_group ranks (0, 1, 2, 3)" in world_as_pipeline
+        pipe = (0, 2) if rank % 2 == 0 else (1, 3)
+        assert f"share ranks {list(pipe)}" in same_group
+
+
+def test_a_late_replica_times_out_its_peers_naming_rank_step_and_action(per_rank) -> None:
+    for rank, stage in ((0, 0), (2, 1)):
+        error = per_rank[rank]["late"]
+        assert error.startswith(
+            f"CommTimeout: rank {rank}: REDUCE of stage {stage} at step 0 over data-parallel "
+            f"ranks ({rank}, {rank + 1}) failed: rank {rank}: "
+        ), error
+        assert "did not complete within 1s" in error, error
+    for rank in (1, 3):  # their peers are gone: they fail too, instead of hanging
+        assert per_rank[rank]["late"] != "no error"
