@@ -105,6 +105,14 @@ def test_pack_unpack_round_trip(numel: int, chunk: int, density: float, seed: in
     out = torch.full_like(v, 99.0)
     ch.unpack(payload, mask, out)
     assert torch.equal(out, torch.where(mask, v, torch.zeros_like(v)))
+    # the chunk-indexed versions CSC uses agree with the element-mask reference
+    assert torch.equal(ch.pack_chunks(v, selected, chunk), payload)
+    out2 = torch.full_like(v, 99.0)
+    ch.unpack_chunks(payload, selected, chunk, out2)
+    assert torch.equal(out2, out)
+    rest = v.clone()
+    ch.zero_chunks(rest, selected, chunk)
+    assert torch.equal(rest, torch.where(mask, torch.zeros_like(v), v))
     sizes = [min(chunk, numel - j * chunk) for j in selected.tolist()]
     assert payload.numel() == sum(sizes)
     assert len(selected) == k
@@ -127,7 +135,16 @@ def test_csc_density_one_equals_dense() -> None:
     assert torch.equal(_reduce(csc, g), _reduce(NoCompression(), g))
     assert csc.last_selection[0].tolist() == list(range(13))
     state = csc.state_dict()["buckets"][0]
-    assert not state["u"].any() and not state["v"].any()
+    assert torch.equal(state["u"], g) and not state["v"].any()  # momentum 0: u = g
+
+
+def test_csc_dense_steps_are_heavy_ball_momentum_sgd() -> None:
+    csc = CSC(0.1, chunk_elems=8, warmup_steps=10, momentum=0.9, wire_dtype=torch.float32)
+    buf = torch.zeros(40)
+    for step in range(1, 5):
+        g = _grad(60 + step, 40)
+        buf = 0.9 * buf + g  # torch.optim.SGD's momentum buffer (dampening 0)
+        torch.testing.assert_close(_reduce(csc, g, step), buf, atol=0, rtol=1e-6)
 
 
 def test_csc_error_feedback_bookkeeping_over_steps() -> None:

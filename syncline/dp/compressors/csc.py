@@ -20,8 +20,10 @@ Because ``u`` already carries the momentum, the optimizer must run **without** m
 Collective 2 depends on collective 1's result; :class:`~._pending.PhaseOrder` issues it in a
 rank-independent order that keeps overlapping backward (see there). During the dense warm-up
 (``step < warmup_steps``), or when every chunk would be selected anyway, the scores are
-skipped and the whole of ``v`` is sent in one collective, with the same bookkeeping (so
-``u`` and ``v`` are zeroed everywhere, and warm-up trains as plain SGD without momentum).
+skipped and the whole of ``v`` is sent in one collective; ``v`` is zeroed but ``u`` is kept,
+so a dense step is exactly heavy-ball momentum SGD (``u`` is the momentum buffer, ``v = u`` is
+the update) and the warm-up trains like the uncompressed optimizer it replaces. (Masking ``u``
+too, as the sparse steps do, would throw the momentum away at every dense step.)
 
 Bytes on the wire per rank and bucket of ``n`` elements, ``N = ceil(n/C)`` chunks, wire
 element size ``w`` (2 for fp16)::
@@ -129,26 +131,29 @@ class CSC:
         k = ch.chunks_to_send(self.density, n_chunks)
         where = f"bucket {bucket.index} at step {bucket.step}"
         if bucket.step < self.warmup_steps or k == n_chunks:
-            return self._dense(bucket.index, grad, u, v, n_chunks, comm, f"csc dense {where}")
+            return self._dense(bucket.index, grad, v, n_chunks, comm, f"csc dense {where}")
 
-        scores = ch.chunk_scores(v, self.chunk_elems)
+        chunk = self.chunk_elems
+        scores = ch.chunk_scores(v, chunk)
         first = comm.allreduce(scores, f"csc scores of {where}")
         world = comm.world_size
-        mask = torch.empty(0, dtype=torch.bool)
+        selected = torch.empty(0, dtype=torch.int64)
         payload = torch.empty(0)
 
         def launch_payload() -> Pending:
-            nonlocal mask, payload
+            nonlocal selected, payload
             selected = ch.select_chunks(scores, k)
             self.last_selection[bucket.index] = selected
-            mask = ch.element_mask(selected, n_chunks, self.chunk_elems, grad.numel())
-            payload = ch.pack(v, mask).div_(world).to(self.wire_dtype)
-            u[mask] = 0.0
-            v[mask] = 0.0
+            packed = ch.pack_chunks(v, selected, chunk)
+            if world > 1:
+                packed.div_(world)
+            payload = packed.to(self.wire_dtype)
+            ch.zero_chunks(u, selected, chunk)  # momentum factor masking
+            ch.zero_chunks(v, selected, chunk)
             return comm.allreduce(payload, f"csc payload of {where}")
 
         def finish() -> None:
-            ch.unpack(payload, mask, grad)
+            ch.unpack_chunks(payload, selected, chunk, grad)
 
         return self._order.submit(first, launch_payload, finish, f"csc reduction of {where}")
 
@@ -156,14 +161,16 @@ class CSC:
         self,
         index: int,
         grad: torch.Tensor,
-        u: torch.Tensor,
         v: torch.Tensor,
         n_chunks: int,
         comm: Collective,
         what: str,
     ) -> Pending:
-        payload = v.div(comm.world_size).to(self.wire_dtype)
-        u.zero_()
+        """Send all of ``v``; keep ``u`` (see the module docstring: momentum SGD exactly)."""
+        if comm.world_size > 1:
+            payload = v.div(comm.world_size).to(self.wire_dtype)
+        else:
+            payload = v.to(self.wire_dtype, copy=True)
         v.zero_()
         self.last_selection[index] = torch.arange(n_chunks)
         sent = comm.allreduce(payload, what)
