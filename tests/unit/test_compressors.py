@@ -18,7 +18,7 @@ from syncline.dp.compression import BucketRef, Layout, NoCompression
 from syncline.dp.compressors import BF16, CSC, FP16, PowerSGD, TopK, build_compressor
 from syncline.dp.compressors import chunks as ch
 from syncline.dp.compressors.powersgd import is_worth_compressing, matrix_shape, plan_matrices
-from syncline.dp.compressors.topk import topk_count
+from syncline.dp.compressors.topk import top_indices, topk_count
 from syncline.errors import ConfigError
 
 COMM = FlatAllreduce()
@@ -240,6 +240,31 @@ def test_topk_error_feedback_keeps_exactly_what_was_not_sent() -> None:
         assert int((sent != 0).sum()) == topk_count(0.05, n) == 10
         kept = acc[sent == 0].abs().max()
         assert torch.all(sent[sent != 0].abs() >= kept)
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "kind"),
+    [
+        (100_000, 1000, "normal"),
+        (100_000, 1000, "ramp"),  # sorted input: the strided sample sees every 64th rank
+        (100_000, 1000, "equal"),  # all tied: every entry is a candidate
+        (100_000, 3, "normal"),
+        (100_000, 30_000, "normal"),  # k too large for the shortcut: full topk
+        (1000, 10, "normal"),  # too small for the shortcut
+        (100_000, 1000, "spike"),  # few large values: fewer candidates than k, fallback
+    ],
+)
+def test_top_indices_is_the_exact_top_k(n: int, k: int, kind: str) -> None:
+    mag = {
+        "normal": _grad(70, n).abs(),
+        "ramp": torch.arange(n, dtype=torch.float32),
+        "equal": torch.ones(n),
+        "spike": torch.zeros(n).index_fill_(0, torch.arange(0, n, 97), 1.0),
+    }[kind]
+    got = top_indices(mag, k)
+    assert got.numel() == k and got.unique().numel() == k
+    kth = torch.topk(mag, k).values.min()
+    assert torch.all(mag[got] >= kth)  # nothing smaller than the k-th largest was picked
 
 
 @pytest.mark.parametrize(("ratio", "n", "k"), [(0.01, 100, 1), (0.07, 100, 7), (1e-9, 10, 1)])
