@@ -179,6 +179,28 @@ def test_csc_warmup_sends_everything_with_the_same_bookkeeping() -> None:
     assert (sparse != 0).sum() == 8
 
 
+@pytest.mark.parametrize(
+    ("ramp", "densities"),
+    [
+        ("dense", [1.0, 1.0, 1.0, 1.0, 0.01, 0.01]),
+        ("exp", [1.0, 0.1**0.5, 0.1, 0.1**1.5, 0.01, 0.01]),  # 0.01 ** (t / 4)
+    ],
+)
+def test_csc_warmup_ramp(ramp: str, densities: list[float]) -> None:
+    csc = CSC(0.01, warmup_steps=4, ramp=ramp)
+    got = [csc.density_at(t) for t in range(6)]
+    assert got == pytest.approx(densities, rel=1e-12)
+
+
+def test_csc_exp_ramp_sends_fewer_chunks_step_by_step() -> None:
+    csc = CSC(0.01, chunk_elems=1, warmup_steps=4, momentum=0.0, ramp="exp")
+    sent = []
+    for step in range(6):
+        _reduce(csc, _grad(80 + step, 1000), step)
+        sent.append(csc.last_selection[0].numel())
+    assert sent == [1000, 317, 100, 32, 10, 10]  # ceil(1000 * density_at(step))
+
+
 def test_csc_fp16_wire_rounds_only_the_sent_values() -> None:
     g = _grad(3, 64)
     csc = CSC(0.5, chunk_elems=8, momentum=0.0)
@@ -497,6 +519,8 @@ def test_state_of_another_layout_is_refused() -> None:
         ("csc:0.01", CSC, {"density": 0.01, "warmup_steps": 0, "chunk_elems": 32768}),
         ("csc:0.01:warmup=50", CSC, {"density": 0.01, "warmup_steps": 50}),
         ("csc:0.05:chunk=1024:momentum=0.5", CSC, {"chunk_elems": 1024, "momentum": 0.5}),
+        ("csc:0.01:warmup=50:ramp=exp", CSC, {"warmup_steps": 50, "ramp": "exp"}),
+        ("csc:0.01", CSC, {"ramp": "dense"}),
         ("topk:0.01", TopK, {"ratio": 0.01, "name": "topk"}),
         ("powersgd:4", PowerSGD, {"rank": 4, "warmup_steps": 0, "name": "powersgd"}),
         ("powersgd:2:warmup=10", PowerSGD, {"rank": 2, "warmup_steps": 10}),
@@ -545,6 +569,7 @@ def test_build_compressor_errors_list_valid_forms(spec: str, why: str) -> None:
         ),
         (lambda: CSC(0.1, momentum=-0.1), "momentum=-0.1 is out of range"),
         (lambda: CSC(0.1, wire_dtype=torch.int8), "wire_dtype=torch.int8 is not supported"),
+        (lambda: CSC(0.1, ramp="linear"), "CSC: ramp='linear' is not supported; valid: dense, exp"),
         (lambda: CSC("0.1"), "density='0.1' must be a number"),  # type: ignore[arg-type]
         (lambda: TopK(0.0), "TopK: ratio=0.0 is out of range; valid: 0.0 < ratio <= 1.0"),
         (lambda: PowerSGD(rank=0), "PowerSGD: rank=0 is out of range; valid: rank >= 1"),
