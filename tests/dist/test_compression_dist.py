@@ -16,7 +16,7 @@ from syncline.comm import FlatAllreduce
 from syncline.dp.compression import BucketRef
 from syncline.dp.compressors import build_compressor
 from syncline.dp.compressors import chunks as ch
-from syncline.dp.compressors.powersgd import matrix_shape
+from syncline.dp.compressors.powersgd import matrix_shape, plan_matrices
 from syncline.dp.compressors.topk import topk_count
 from syncline.testing import run_ranks
 
@@ -219,7 +219,14 @@ def _train_rank(rank: int, world: int) -> dict:
             losses.append(loss.item())
             wire.append(dp.last_stats.wire_bytes)
         params = torch.cat([p.detach().flatten() for p in model.parameters()])
+        plan = dp.bucket_plan
+        shapes = [tuple(p.shape) for p in model.parameters()]
+        layouts = [
+            tuple((plan.offsets[i] - b.start, shapes[i]) for i in b.params) for b in plan.buckets
+        ]
         out[spec] = {
+            "layouts": layouts,
+            "bucket_numels": [b.numel for b in plan.buckets],
             "losses": losses,
             "wire": wire,
             "dense": dp.last_stats.dense_bytes,
@@ -249,3 +256,9 @@ def test_data_parallel_training_with_every_compressor_decreases_loss() -> None:
             assert max(r0["wire"][1:]) <= dense // 2 + 1, spec
         if spec in ("fp16", "bf16"):
             assert r0["wire"][1:] == [dense // 2] * (TRAIN_STEPS - 1)
+    # PowerSGD got each bucket's parameter layout from the engine: per-tensor byte count
+    r0 = results[0]["powersgd:2"]
+    plans = [plan_matrices(n, lay, 2) for n, lay in zip(r0["bucket_numels"], r0["layouts"])]
+    assert any(pl.matrices for pl in plans) and any(pl.dense for pl in plans)
+    expected = sum(4 * (pl.dense_numel + pl.p_numel + pl.q_numel) for pl in plans)
+    assert r0["wire"][-1] == expected
