@@ -92,7 +92,7 @@ class TrainConfig:
         timeout_s: limit of any wait on other ranks.
         run_dir: where config, metrics, plot and checkpoint go.
         compression: gradient compressor spec (``none``, ``fp16``, ``bf16``,
-            ``csc:DENSITY[:warmup=N][:chunk=C][:momentum=M]``, ``topk:RATIO``,
+            ``csc:DENSITY[:warmup=N][:chunk=C][:momentum=M][:ramp=dense|exp]``, ``topk:RATIO``,
             ``powersgd:RANK[:warmup=N]``); checked against the compressor registry by the CLI.
         allreduce: ``flat`` (one ring over all ranks) or ``hierarchical`` (reduce-scatter in
             each node, allreduce across nodes, allgather in each node).

@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=_D.compression,
         metavar="SPEC",
         help="gradient compression: none, fp16, bf16, csc:DENSITY[:warmup=N]"
-        "[:chunk=C][:momentum=M], topk:RATIO, powersgd:RANK[:warmup=N] "
+        "[:chunk=C][:momentum=M][:ramp=dense|exp], topk:RATIO, powersgd:RANK[:warmup=N] "
         "(default: %(default)s). With csc and sgd, momentum moves into CSC",
     )
     d.add_argument(

@@ -15,13 +15,23 @@ import torch
 
 from syncline.comm.collectives import Collective, Pending
 
+#: ``(offset inside the bucket, shape)`` of each parameter of a bucket, in buffer order.
+Layout = tuple[tuple[int, tuple[int, ...]], ...]
+
 
 @dataclass(frozen=True)
 class BucketRef:
-    """Which bucket is being reduced, and when; compressors key their state on ``index``."""
+    """Which bucket is being reduced, and when; compressors key their state on ``index``.
+
+    ``layout`` says where each parameter's gradient lies inside the flat bucket and its shape,
+    for compressors whose algorithm is defined per tensor (PowerSGD views each weight as a
+    matrix). The engine always fills it in; it is empty when a caller reduces a bare buffer,
+    and compressors that work on the flat buffer ignore it.
+    """
 
     index: int
     step: int
+    layout: Layout = ()
 
 
 class Compressor(Protocol):

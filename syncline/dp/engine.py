@@ -30,7 +30,7 @@ from syncline import comm
 from syncline.comm.collectives import Collective, FlatAllreduce, Pending
 from syncline.config import DataParallelConfig
 from syncline.dp.buckets import BucketPlan, plan_buckets
-from syncline.dp.compression import BucketRef, Compressor, NoCompression
+from syncline.dp.compression import BucketRef, Compressor, Layout, NoCompression
 from syncline.errors import ConfigError
 
 
@@ -157,6 +157,10 @@ class DataParallel(nn.Module):
         self._plan: BucketPlan = plan
         self._flat = flat
         self._views = views
+        self._layouts: list[Layout] = [
+            tuple((plan.offsets[i] - b.start, tuple(self._params[i].shape)) for i in b.params)
+            for b in plan.buckets
+        ]
 
     @property
     def bucket_plan(self) -> BucketPlan:
@@ -269,7 +273,7 @@ class DataParallel(nn.Module):
         while self._next_bucket < len(buckets) and self._remaining[self._next_bucket] == 0:
             b = buckets[self._next_bucket]
             compressor = self._compressor if self._steps_synced > 0 else self._dense
-            ref = BucketRef(b.index, self._steps_synced)
+            ref = BucketRef(b.index, self._steps_synced, self._layouts[b.index])
             self._pending.append(compressor.reduce(ref, self._flat[b.start : b.end], self._comm))
             self._next_bucket += 1
 
@@ -342,7 +346,7 @@ class DataParallel(nn.Module):
         self._attach_grads()
         pending = []
         for b in self._plan.buckets:
-            ref = BucketRef(b.index, self._steps_synced)
+            ref = BucketRef(b.index, self._steps_synced, self._layouts[b.index])
             pending.append(self._dense.reduce(ref, self._flat[b.start : b.end], self._comm))
         t0 = time.perf_counter()
         for p in pending:

@@ -16,7 +16,7 @@ from syncline.comm import FlatAllreduce
 from syncline.dp.compression import BucketRef
 from syncline.dp.compressors import build_compressor
 from syncline.dp.compressors import chunks as ch
-from syncline.dp.compressors.powersgd import matrix_shape
+from syncline.dp.compressors.powersgd import matrix_shape, plan_matrices
 from syncline.dp.compressors.topk import topk_count
 from syncline.testing import run_ranks
 
@@ -30,7 +30,10 @@ SPECS = (
     f"csc:0.2:chunk={CHUNK}:warmup=2",
     "topk:0.05",
     "powersgd:2",
+    "powersgd:1",  # with the parameter layouts below: per tensor
 )
+#: per bucket: ``(offset, shape)`` of its parameters, given to "powersgd:1" only
+LAYOUTS = (((0, (20, 15)),), ((0, (7,)), (7, (7, 10))))
 
 
 def local_grad(rank: int, step: int, bucket: int) -> torch.Tensor:
@@ -50,7 +53,10 @@ def _reduce_rank(rank: int, world: int) -> dict:
         steps = []
         for step in range(1, STEPS + 1):
             grads = [local_grad(rank, step, b) for b in range(len(SIZES))]
-            pendings = [comp.reduce(BucketRef(b, step), g, comm) for b, g in enumerate(grads)]
+            layouts = LAYOUTS if spec == "powersgd:1" else ((), ())
+            pendings = [
+                comp.reduce(BucketRef(b, step, layouts[b]), g, comm) for b, g in enumerate(grads)
+            ]
             for p in pendings:
                 p.wait()
             steps.append(
@@ -156,9 +162,14 @@ def test_topk_sums_every_ranks_own_top_k(reduced) -> None:
         assert results[0]["topk:0.05"][0]["wire"][b] == k * (4 + 4)
 
 
-def test_powersgd_mean_of_local_approximations_plus_residuals(reduced) -> None:
+@pytest.mark.parametrize("spec", ["powersgd:2", "powersgd:1"])
+def test_powersgd_mean_of_local_approximations_plus_residuals(reduced, spec: str) -> None:
     world, results = reduced
-    spec = "powersgd:2"
+    # bare buckets: one near-square matrix each; with layouts: 20x15 | 7 dense + 7x10
+    wires = {
+        "powersgd:2": [4 * 2 * sum(matrix_shape(n)) for n in SIZES],
+        "powersgd:1": [4 * (20 + 15), 4 * (7 + 7 + 10)],  # dense 7, P 20 | 7, Q 15 | 10
+    }[spec]
     for step in range(STEPS):
         for b, n in enumerate(SIZES):
             before = [
@@ -173,8 +184,7 @@ def test_powersgd_mean_of_local_approximations_plus_residuals(reduced) -> None:
             m = torch.stack([before[r] + local_grad(r, step + 1, b) for r in range(world)]).mean(0)
             got = results[0][spec][step]["out"][b] + torch.stack(after).mean(0)
             torch.testing.assert_close(got, m, atol=1e-4, rtol=1e-4)
-            rows, cols = matrix_shape(n)
-            assert results[0][spec][step]["wire"][b] == 4 * 2 * (rows + cols)
+            assert results[0][spec][step]["wire"][b] == wires[b]
 
 
 # -- training --------------------------------------------------------------------------
@@ -209,7 +219,14 @@ def _train_rank(rank: int, world: int) -> dict:
             losses.append(loss.item())
             wire.append(dp.last_stats.wire_bytes)
         params = torch.cat([p.detach().flatten() for p in model.parameters()])
+        plan = dp.bucket_plan
+        shapes = [tuple(p.shape) for p in model.parameters()]
+        layouts = [
+            tuple((plan.offsets[i] - b.start, shapes[i]) for i in b.params) for b in plan.buckets
+        ]
         out[spec] = {
+            "layouts": layouts,
+            "bucket_numels": [b.numel for b in plan.buckets],
             "losses": losses,
             "wire": wire,
             "dense": dp.last_stats.dense_bytes,
@@ -239,3 +256,9 @@ def test_data_parallel_training_with_every_compressor_decreases_loss() -> None:
             assert max(r0["wire"][1:]) <= dense // 2 + 1, spec
         if spec in ("fp16", "bf16"):
             assert r0["wire"][1:] == [dense // 2] * (TRAIN_STEPS - 1)
+    # PowerSGD got each bucket's parameter layout from the engine: per-tensor byte count
+    r0 = results[0]["powersgd:2"]
+    plans = [plan_matrices(n, lay, 2) for n, lay in zip(r0["bucket_numels"], r0["layouts"])]
+    assert any(pl.matrices for pl in plans) and any(pl.dense for pl in plans)
+    expected = sum(4 * (pl.dense_numel + pl.p_numel + pl.q_numel) for pl in plans)
+    assert r0["wire"][-1] == expected

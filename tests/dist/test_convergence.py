@@ -1,24 +1,41 @@
-"""Compressed data parallelism converges like uncompressed: a tiny GPT on real stdlib text.
+"""Compressed data parallelism converges like uncompressed: a small GPT on real stdlib text.
 
-Two gloo ranks train the same 1-layer GPT (30 k parameters) from the same initialisation on the
-same batches for the same number of steps, once per compressor, inside one pair of processes
-(one spawn for the whole module). The final loss (mean over both ranks of the last
-``TAIL`` steps) must be within 1 % of uncompressed for fp16/bf16 and within 5 % for CSC
+Two gloo ranks train the same GPT from the same initialisation on the same batches for the same
+number of steps, once per compressor, inside one pair of processes (one spawn for the whole
+module), with **SGD with heavy-ball momentum 0.9** for every configuration: the optimizer's
+own momentum for none/fp16/bf16/PowerSGD, and for CSC the same momentum moved *inside* the
+compressor (momentum correction; the optimizer then runs with momentum 0), as
+:func:`syncline.train.trainer.make_optimizer` does. The final loss (mean over both ranks of the
+last ``TAIL`` steps) must be within 1 % of uncompressed for fp16/bf16 and within 5 % for CSC
 (1 % density) and PowerSGD.
 
-Choices, measured on 2 cores over seeds 0, 1, 2 (worst gap in brackets):
-* plain SGD (momentum 0), lr 0.5 with cosine decay to 5 %: for every configuration the same
-  optimizer; CSC's own momentum is therefore 0 too (its momentum replaces the optimizer's).
-  With heavy-ball momentum 0.9 instead, 1 % CSC and rank-4 PowerSGD trail uncompressed by
-  3-11 % after a few hundred steps (PowerSGD's loss even rises for a while after its dense
-  warm-up), which a test this short cannot separate from a regression.
-* CSC: ``chunk_elems=16`` -> 1886 chunks, 19 sent per step (1 %), 5 dense warm-up steps.
-* PowerSGD: rank 4 on the single flat bucket (a 174 x 174 matrix), 10 dense warm-up steps.
+Setting: 2-layer GPT (n_embd 32, 42,880 parameters, one bucket), 300 steps, global batch 32,
+peak lr 0.05 with cosine decay to 5 %. Gaps of the final loss against uncompressed, measured
+on 2 cores (seeds 0 / 1 / 2; rerun with ``python -m tests.dist.test_convergence 0 1 2``):
+
+==============================================  ===========================
+fp16, bf16                                       +0.00 % / +0.00 % / +0.00 %
+PowerSGD rank 4 per tensor, 10 dense steps       +0.39 % / +0.45 % / +0.44 %
+CSC 1 %, chunk 16, exp ramp over 50 steps        +2.11 % / +4.02 % / +4.13 %
+==============================================  ===========================
+
+* CSC: ``chunk_elems=16`` -> 2,680 chunks, 27 sent per step (1 %). Its warm-up matters a lot,
+  and the margin to 5 % is thin: with a *dense* warm-up of 20 or 50 steps the gap was +8.6 %
+  and +8.4 % (seed 0); dense 100 steps: +3.0 / +4.2 / +1.7 %; 600 steps with 50 dense: +5.2 %
+  (seed 0); 400 steps with 80 dense: +5.4 % (seed 2). DGC's exponential ramp
+  (``ramp="exp"``: density ``0.01 ** (step / 50)``) reaches the dense-100 result with half the
+  warm-up, most of it already sparse (density below 10 % from step 25).
+* PowerSGD: rank 4 per weight matrix (DDP's rule: only matrices whose factors are >= 2x
+  smaller; biases and norms go dense). The earlier whole-bucket PowerSGD was 22 % worse than
+  uncompressed with momentum on the benchmark GPT.
+* A momentum-free variant is not kept: it exercised neither CSC's momentum correction nor
+  PowerSGD with momentum, and every code path it covered is covered here.
 """
 
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -30,9 +47,14 @@ SEED = 0
 STEPS = 300
 TAIL = 50  # final loss = mean of the last TAIL steps (both ranks)
 GLOBAL_BATCH = 32
-LR = 0.5
-MODEL = {"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 32}
+LR = 0.05  # peak; with momentum 0.9 the step is about that of lr 0.5 without momentum
+MOMENTUM = 0.9
+MODEL = {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 32}  # 42,880 parameters
 CORPUS_BYTES = 1_000_000
+CSC_CHUNK = 16  # 2,680 chunks, 27 sent per step at 1 %
+CSC_WARMUP = 50  # DGC's exponential ramp: density 0.01 ** (step / 50) before step 50
+PSGD_RANK = 4
+PSGD_WARMUP = 10
 CONFIGS = ("none", "fp16", "bf16", "csc", "powersgd")
 HALF_TOL = 0.01
 COMPRESSED_TOL = 0.05
@@ -46,8 +68,10 @@ def _compressor(name: str):
         "none": NoCompression,
         "fp16": FP16,
         "bf16": BF16,
-        "csc": lambda: CSC(0.01, chunk_elems=16, warmup_steps=5, momentum=0.0),
-        "powersgd": lambda: PowerSGD(rank=4, warmup_steps=10),
+        "csc": lambda: CSC(
+            0.01, chunk_elems=CSC_CHUNK, warmup_steps=CSC_WARMUP, momentum=MOMENTUM, ramp="exp"
+        ),
+        "powersgd": lambda: PowerSGD(rank=PSGD_RANK, warmup_steps=PSGD_WARMUP),
     }[name]()
 
 
@@ -66,7 +90,9 @@ def _train_rank(rank: int, world: int, seed: int) -> dict[str, dict]:
         torch.manual_seed(seed)
         model = build_model("gpt", **MODEL)
         dp = DataParallel(model, compression=_compressor(name))
-        opt = torch.optim.SGD(dp.parameters(), lr=LR, momentum=0.0)
+        momentum = 0.0 if name == "csc" else MOMENTUM  # CSC applies it itself
+        opt = torch.optim.SGD(dp.parameters(), lr=LR, momentum=momentum)
+        t0 = time.perf_counter()
         batches = ShardedBatches(data, GLOBAL_BATCH, rank, world, seed)
         losses = []
         for step in range(STEPS):
@@ -82,6 +108,7 @@ def _train_rank(rank: int, world: int, seed: int) -> dict[str, dict]:
             "losses": losses,
             "wire_bytes": dp.last_stats.wire_bytes,
             "dense_bytes": dp.last_stats.dense_bytes,
+            "seconds": time.perf_counter() - t0,
         }
     return out
 
@@ -97,6 +124,7 @@ def train_all(seed: int = SEED) -> dict[str, dict]:
             "final": sum(curve[-TAIL:]) / TAIL,
             "wire_bytes": ranks[0][name]["wire_bytes"],
             "dense_bytes": ranks[0][name]["dense_bytes"],
+            "seconds": ranks[0][name]["seconds"],
         }
     return result
 
@@ -115,7 +143,7 @@ def test_uncompressed_training_learns(trained) -> None:
     assert math.isfinite(trained["none"]["final"])
     # from ln(256) = 5.5 to well below the unigram entropy of source code (~3.3 nats)
     assert trained["none"]["final"] < 2.8, trained["none"]["final"]
-    assert trained["none"]["final"] < sum(curve[:TAIL]) / TAIL - 1.0
+    assert trained["none"]["final"] < curve[0] - 2.0, curve[0]  # it starts near ln(256)
 
 
 @pytest.mark.parametrize("name", ["fp16", "bf16"])
@@ -130,7 +158,9 @@ def test_compressed_final_loss_within_5_percent(trained, name) -> None:
     assert abs(gap) <= COMPRESSED_TOL, f"{name}: final {trained[name]['final']:.4f} ({gap:+.2%})"
 
 
-@pytest.mark.parametrize(("name", "most"), [("csc", 0.1), ("powersgd", 0.1)])
+# CSC: 27 chunks of 16 fp16 + 2,680 fp32 scores = 6.8 % of dense; PowerSGD: rank 4 of
+# 32-wide matrices plus the dense biases and norms = 17.6 %
+@pytest.mark.parametrize(("name", "most"), [("csc", 0.1), ("powersgd", 0.25)])
 def test_compressed_runs_really_compressed(trained, name, most) -> None:
     """The last step went through the sparse / low-rank path, not a dense fallback."""
     t = trained[name]
@@ -142,5 +172,9 @@ if __name__ == "__main__":  # local robustness check: python -m tests.dist.test_
 
     for s in [int(a) for a in sys.argv[1:]] or [SEED]:
         res = train_all(s)
-        gaps = ", ".join(f"{n} {_gap(res, n):+.2%}" for n in CONFIGS[1:])
+        gaps = ", ".join(
+            f"{n} {_gap(res, n):+.2%} ({res[n]['wire_bytes'] / res[n]['dense_bytes']:.3f} wire)"
+            for n in CONFIGS[1:]
+        )
+        gaps += "; s: " + " ".join(f"{res[n]['seconds']:.0f}" for n in CONFIGS)
         print(f"seed {s}: none final {res['none']['final']:.4f}; {gaps}", flush=True)

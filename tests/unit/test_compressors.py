@@ -14,19 +14,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from syncline.comm import FlatAllreduce, Pending
-from syncline.dp.compression import BucketRef, NoCompression
+from syncline.dp.compression import BucketRef, Layout, NoCompression
 from syncline.dp.compressors import BF16, CSC, FP16, PowerSGD, TopK, build_compressor
 from syncline.dp.compressors import chunks as ch
-from syncline.dp.compressors.powersgd import is_worth_compressing, matrix_shape
-from syncline.dp.compressors.topk import topk_count
+from syncline.dp.compressors.powersgd import is_worth_compressing, matrix_shape, plan_matrices
+from syncline.dp.compressors.topk import top_indices, topk_count
 from syncline.errors import ConfigError
 
 COMM = FlatAllreduce()
 
 
-def _reduce(comp, grad: torch.Tensor, step: int = 1, index: int = 0) -> torch.Tensor:
+def _reduce(
+    comp, grad: torch.Tensor, step: int = 1, index: int = 0, layout: Layout = ()
+) -> torch.Tensor:
     out = grad.clone()
-    comp.reduce(BucketRef(index, step), out, COMM).wait()
+    comp.reduce(BucketRef(index, step, layout), out, COMM).wait()
     return out
 
 
@@ -103,6 +105,14 @@ def test_pack_unpack_round_trip(numel: int, chunk: int, density: float, seed: in
     out = torch.full_like(v, 99.0)
     ch.unpack(payload, mask, out)
     assert torch.equal(out, torch.where(mask, v, torch.zeros_like(v)))
+    # the chunk-indexed versions CSC uses agree with the element-mask reference
+    assert torch.equal(ch.pack_chunks(v, selected, chunk), payload)
+    out2 = torch.full_like(v, 99.0)
+    ch.unpack_chunks(payload, selected, chunk, out2)
+    assert torch.equal(out2, out)
+    rest = v.clone()
+    ch.zero_chunks(rest, selected, chunk)
+    assert torch.equal(rest, torch.where(mask, torch.zeros_like(v), v))
     sizes = [min(chunk, numel - j * chunk) for j in selected.tolist()]
     assert payload.numel() == sum(sizes)
     assert len(selected) == k
@@ -125,7 +135,16 @@ def test_csc_density_one_equals_dense() -> None:
     assert torch.equal(_reduce(csc, g), _reduce(NoCompression(), g))
     assert csc.last_selection[0].tolist() == list(range(13))
     state = csc.state_dict()["buckets"][0]
-    assert not state["u"].any() and not state["v"].any()
+    assert torch.equal(state["u"], g) and not state["v"].any()  # momentum 0: u = g
+
+
+def test_csc_dense_steps_are_heavy_ball_momentum_sgd() -> None:
+    csc = CSC(0.1, chunk_elems=8, warmup_steps=10, momentum=0.9, wire_dtype=torch.float32)
+    buf = torch.zeros(40)
+    for step in range(1, 5):
+        g = _grad(60 + step, 40)
+        buf = 0.9 * buf + g  # torch.optim.SGD's momentum buffer (dampening 0)
+        torch.testing.assert_close(_reduce(csc, g, step), buf, atol=0, rtol=1e-6)
 
 
 def test_csc_error_feedback_bookkeeping_over_steps() -> None:
@@ -158,6 +177,28 @@ def test_csc_warmup_sends_everything_with_the_same_bookkeeping() -> None:
     sparse = _reduce(csc, g, step=3)
     assert csc.last_selection[0].numel() == 1
     assert (sparse != 0).sum() == 8
+
+
+@pytest.mark.parametrize(
+    ("ramp", "densities"),
+    [
+        ("dense", [1.0, 1.0, 1.0, 1.0, 0.01, 0.01]),
+        ("exp", [1.0, 0.1**0.5, 0.1, 0.1**1.5, 0.01, 0.01]),  # 0.01 ** (t / 4)
+    ],
+)
+def test_csc_warmup_ramp(ramp: str, densities: list[float]) -> None:
+    csc = CSC(0.01, warmup_steps=4, ramp=ramp)
+    got = [csc.density_at(t) for t in range(6)]
+    assert got == pytest.approx(densities, rel=1e-12)
+
+
+def test_csc_exp_ramp_sends_fewer_chunks_step_by_step() -> None:
+    csc = CSC(0.01, chunk_elems=1, warmup_steps=4, momentum=0.0, ramp="exp")
+    sent = []
+    for step in range(6):
+        _reduce(csc, _grad(80 + step, 1000), step)
+        sent.append(csc.last_selection[0].numel())
+    assert sent == [1000, 317, 100, 32, 10, 10]  # ceil(1000 * density_at(step))
 
 
 def test_csc_fp16_wire_rounds_only_the_sent_values() -> None:
@@ -223,6 +264,31 @@ def test_topk_error_feedback_keeps_exactly_what_was_not_sent() -> None:
         assert torch.all(sent[sent != 0].abs() >= kept)
 
 
+@pytest.mark.parametrize(
+    ("n", "k", "kind"),
+    [
+        (100_000, 1000, "normal"),
+        (100_000, 1000, "ramp"),  # sorted input: the strided sample sees every 64th rank
+        (100_000, 1000, "equal"),  # all tied: every entry is a candidate
+        (100_000, 3, "normal"),
+        (100_000, 30_000, "normal"),  # k too large for the shortcut: full topk
+        (1000, 10, "normal"),  # too small for the shortcut
+        (100_000, 1000, "spike"),  # few large values: fewer candidates than k, fallback
+    ],
+)
+def test_top_indices_is_the_exact_top_k(n: int, k: int, kind: str) -> None:
+    mag = {
+        "normal": _grad(70, n).abs(),
+        "ramp": torch.arange(n, dtype=torch.float32),
+        "equal": torch.ones(n),
+        "spike": torch.zeros(n).index_fill_(0, torch.arange(0, n, 97), 1.0),
+    }[kind]
+    got = top_indices(mag, k)
+    assert got.numel() == k and got.unique().numel() == k
+    kth = torch.topk(mag, k).values.min()
+    assert torch.all(mag[got] >= kth)  # nothing smaller than the k-th largest was picked
+
+
 @pytest.mark.parametrize(("ratio", "n", "k"), [(0.01, 100, 1), (0.07, 100, 7), (1e-9, 10, 1)])
 def test_topk_count(ratio: float, n: int, k: int) -> None:
     assert topk_count(ratio, n) == k
@@ -262,7 +328,7 @@ def test_powersgd_error_feedback_and_warm_start() -> None:
 
 
 def test_powersgd_small_buckets_and_warmup_are_dense() -> None:
-    assert not is_worth_compressing(16, 4) and is_worth_compressing(400, 4)
+    assert not is_worth_compressing(4, 4, 4) and is_worth_compressing(20, 20, 4)
     g = _grad(6, 16)
     assert torch.equal(_reduce(PowerSGD(rank=4), g), g)
     big = _grad(7, 400)
@@ -290,6 +356,111 @@ def test_powersgd_survives_a_zero_bucket() -> None:
     assert torch.isfinite(out).all() and out.any()
 
 
+# -- PowerSGD per tensor ----------------------------------------------------------------
+MLP_LAYOUT: Layout = ((0, (32, 16)), (512, (32,)), (544, (4, 32)), (672, (4,)))
+
+
+@pytest.mark.parametrize(
+    ("numel", "layout", "rank", "matrices", "dense"),
+    [
+        # a 32x16 weight is compressed; its bias, the 4x32 head (2*36*2 >= 128) and the
+        # head's bias are sent dense, merged into one range
+        (676, MLP_LAYOUT, 2, [(0, 32, 16, 2, 0, 0)], [(512, 676)]),
+        (
+            676,
+            MLP_LAYOUT,
+            1,
+            [(0, 32, 16, 1, 0, 0), (544, 4, 32, 1, 32, 16)],
+            [(512, 544), (672, 676)],
+        ),
+        # a conv kernel is viewed as out_channels x (in * kh * kw)
+        (224, ((0, (8,)), (8, (8, 3, 3, 3))), 1, [(8, 8, 27, 1, 0, 0)], [(0, 8)]),
+        (5, ((0, ()), (1, (4,))), 1, [], [(0, 5)]),  # a scalar and a vector
+        (900, (), 2, [(0, 30, 30, 2, 0, 0)], []),  # a bare buffer: one near-square matrix
+        (10, (), 1, [], [(0, 10)]),  # 3x4 is too small to gain from rank 1 at rate 2
+    ],
+)
+def test_plan_matrices_table(numel, layout, rank, matrices, dense) -> None:
+    plan = plan_matrices(numel, layout, rank)
+    got = [(m.offset, m.rows, m.cols, m.rank, m.p_offset, m.q_offset) for m in plan.matrices]
+    assert got == matrices
+    assert list(plan.dense) == dense
+    assert plan.p_numel == sum(m[1] * m[3] for m in matrices)
+    assert plan.q_numel == sum(m[2] * m[3] for m in matrices)
+    assert plan.dense_numel == sum(b - a for a, b in dense)
+
+
+def test_plan_matrices_refuses_a_layout_that_does_not_tile_the_bucket() -> None:
+    with pytest.raises(ConfigError, match="does not tile 20 elements"):
+        plan_matrices(20, ((0, (4, 4)),), 1)
+    with pytest.raises(ConfigError, match="does not tile 20 elements"):
+        plan_matrices(20, ((0, (4,)), (8, (12,))), 1)
+
+
+def _mlp_grad(seed: int, rank1: bool = False) -> torch.Tensor:
+    g = _grad(seed, 676)
+    if rank1:  # both weights exactly rank 1
+        g[:512] = torch.outer(_grad(seed + 1, 32), _grad(seed + 2, 16)).flatten()
+        g[544:672] = torch.outer(_grad(seed + 3, 4), _grad(seed + 4, 32)).flatten()
+    return g
+
+
+def test_powersgd_per_tensor_recovers_low_rank_weights_and_sends_the_rest_exactly() -> None:
+    g = _mlp_grad(30, rank1=True)
+    out = _reduce(PowerSGD(rank=1), g, layout=MLP_LAYOUT)
+    torch.testing.assert_close(out, g, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[512:544], g[512:544]) and torch.equal(out[672:], g[672:])
+
+
+class _Sizes(_Recording):
+    """Also records the number of elements of each collective."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numels: list[int] = []
+
+    def allreduce(self, tensor: torch.Tensor, what: str) -> Pending:
+        self.numels.append(tensor.numel())
+        return super().allreduce(tensor, what)
+
+
+def test_powersgd_batches_a_bucket_into_three_collectives() -> None:
+    comm = _Sizes()
+    out = _mlp_grad(31)
+    pending = PowerSGD(rank=1).reduce(BucketRef(0, 1, MLP_LAYOUT), out, comm)
+    pending.wait()  # (bytes on the wire are checked on 2 and 4 ranks, in tests/dist)
+    assert comm.log == [
+        "powersgd uncompressed part of bucket 0",
+        "powersgd P of bucket 0",
+        "powersgd Q of bucket 0",
+    ]
+    assert comm.numels == [32 + 4, 32 + 4, 16 + 32]
+
+
+def test_powersgd_per_tensor_error_feedback_and_warm_start() -> None:
+    ps = PowerSGD(rank=1)
+    residual = torch.zeros(676)
+    q_before = None
+    for step in range(1, 4):
+        g = _mlp_grad(40 + step)
+        out = _reduce(ps, g, step, layout=MLP_LAYOUT)
+        state = ps.state_dict()["buckets"][0]
+        torch.testing.assert_close(out + state["residual"], residual + g, atol=1e-5, rtol=0)
+        assert not state["residual"][512:544].any() and not state["residual"][672:].any()
+        assert state["q"].shape == (16 + 32,)
+        if q_before is not None:
+            assert not torch.equal(q_before, state["q"])
+        residual, q_before = state["residual"], state["q"]
+
+
+def test_powersgd_refuses_state_of_other_shapes() -> None:
+    ps = PowerSGD(rank=1)
+    _reduce(ps, _mlp_grad(50), layout=MLP_LAYOUT)
+    other: Layout = ((0, (16, 32)), (512, (164,)))  # same numel, other matrices
+    with pytest.raises(ConfigError, match="needs 32 warm-start Q elements but its state has 48"):
+        _reduce(ps, _mlp_grad(51), layout=other)
+
+
 # -- state -----------------------------------------------------------------------------
 def _fresh(spec: str):
     comp = build_compressor(spec)
@@ -298,20 +469,30 @@ def _fresh(spec: str):
     return comp
 
 
-@pytest.mark.parametrize("spec", ["csc:0.3", "topk:0.1", "powersgd:2", "fp16", "bf16"])
-def test_state_dict_round_trip_continues_bit_identically(spec: str) -> None:
-    sizes = (400, 57)
+@pytest.mark.parametrize(
+    ("spec", "layouts"),
+    [
+        ("csc:0.3", ((), ())),
+        ("topk:0.1", ((), ())),
+        ("powersgd:2", ((), ())),
+        ("powersgd:1", (MLP_LAYOUT, ((0, (19, 3)),))),  # per tensor, and a dense bucket
+        ("fp16", ((), ())),
+        ("bf16", ((), ())),
+    ],
+)
+def test_state_dict_round_trip_continues_bit_identically(spec: str, layouts: tuple) -> None:
+    sizes = (400, 57) if not layouts[0] else (676, 57)
     comp = _fresh(spec)
     for step in range(1, 4):
         for b, n in enumerate(sizes):
-            _reduce(comp, _grad(100 * step + b, n), step, b)
+            _reduce(comp, _grad(100 * step + b, n), step, b, layouts[b])
     saved = comp.state_dict()
-    expected = [_reduce(comp, _grad(900 + b, n), 4, b) for b, n in enumerate(sizes)]
+    expected = [_reduce(comp, _grad(900 + b, n), 4, b, layouts[b]) for b, n in enumerate(sizes)]
     after = comp.state_dict()
 
     restored = _fresh(spec)
     restored.load_state_dict(saved)
-    got = [_reduce(restored, _grad(900 + b, n), 4, b) for b, n in enumerate(sizes)]
+    got = [_reduce(restored, _grad(900 + b, n), 4, b, layouts[b]) for b, n in enumerate(sizes)]
     for e, g in zip(expected, got, strict=True):
         assert torch.equal(e, g)
     # the checkpoint is a copy, and the continued state matches too
@@ -338,6 +519,8 @@ def test_state_of_another_layout_is_refused() -> None:
         ("csc:0.01", CSC, {"density": 0.01, "warmup_steps": 0, "chunk_elems": 32768}),
         ("csc:0.01:warmup=50", CSC, {"density": 0.01, "warmup_steps": 50}),
         ("csc:0.05:chunk=1024:momentum=0.5", CSC, {"chunk_elems": 1024, "momentum": 0.5}),
+        ("csc:0.01:warmup=50:ramp=exp", CSC, {"warmup_steps": 50, "ramp": "exp"}),
+        ("csc:0.01", CSC, {"ramp": "dense"}),
         ("topk:0.01", TopK, {"ratio": 0.01, "name": "topk"}),
         ("powersgd:4", PowerSGD, {"rank": 4, "warmup_steps": 0, "name": "powersgd"}),
         ("powersgd:2:warmup=10", PowerSGD, {"rank": 2, "warmup_steps": 10}),
@@ -386,6 +569,7 @@ def test_build_compressor_errors_list_valid_forms(spec: str, why: str) -> None:
         ),
         (lambda: CSC(0.1, momentum=-0.1), "momentum=-0.1 is out of range"),
         (lambda: CSC(0.1, wire_dtype=torch.int8), "wire_dtype=torch.int8 is not supported"),
+        (lambda: CSC(0.1, ramp="linear"), "CSC: ramp='linear' is not supported; valid: dense, exp"),
         (lambda: CSC("0.1"), "density='0.1' must be a number"),  # type: ignore[arg-type]
         (lambda: TopK(0.0), "TopK: ratio=0.0 is out of range; valid: 0.0 < ratio <= 1.0"),
         (lambda: PowerSGD(rank=0), "PowerSGD: rank=0 is out of range; valid: rank >= 1"),

@@ -9,7 +9,7 @@ name        what goes on the wire (bucket of n elements)  paper
 fp16/bf16   2n bytes, allreduce                           GradientFlow (Sun et al. 2019)
 csc         4N scores + 2 * (selected chunks) bytes       GradientFlow CSC; DGC momentum
 topk        k(4+4) bytes, allgather                       DGC (Lin et al. 2018)
-powersgd    4r(a+b) bytes, two allreduces                 Vogels et al. 2019
+powersgd    4r(a+b) per weight + 4 per other element      Vogels et al. 2019 (per tensor)
 ==========  ===========================================  =================================
 
 Example:

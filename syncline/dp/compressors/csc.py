@@ -19,9 +19,18 @@ Because ``u`` already carries the momentum, the optimizer must run **without** m
 
 Collective 2 depends on collective 1's result; :class:`~._pending.PhaseOrder` issues it in a
 rank-independent order that keeps overlapping backward (see there). During the dense warm-up
-(``step < warmup_steps``), or when every chunk would be selected anyway, the scores are
-skipped and the whole of ``v`` is sent in one collective, with the same bookkeeping (so
-``u`` and ``v`` are zeroed everywhere, and warm-up trains as plain SGD without momentum).
+(``step < warmup_steps``, with ``ramp="dense"``), or when every chunk would be selected anyway
+(always the case at density 1), the scores are
+skipped and the whole of ``v`` is sent in one collective; ``v`` is zeroed but ``u`` is kept,
+so a dense step is exactly heavy-ball momentum SGD (``u`` is the momentum buffer, ``v = u`` is
+the update) and the warm-up trains like the uncompressed optimizer it replaces. (Masking ``u``
+too, as the sparse steps do, would throw the momentum away at every dense step.)
+
+With ``ramp="exp"`` the warm-up is DGC's instead (Lin et al. 2018, "warm-up training": the
+sparsity rises exponentially over the first epochs): at step ``t < W`` the density is
+``density ** (t / W)``, from 1 (dense) down to ``density`` at ``W``, so the model leaves the
+dense regime gradually rather than in one jump. Measured on the convergence test's GPT it
+brings 1 % CSC as close to uncompressed with ``W = 50`` as a dense warm-up of 100 steps does.
 
 Bytes on the wire per rank and bucket of ``n`` elements, ``N = ceil(n/C)`` chunks, wire
 element size ``w`` (2 for fp16)::
@@ -50,6 +59,7 @@ from syncline.dp.compressors._state import (
 from syncline.errors import ConfigError
 
 _WIRE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_RAMPS = ("dense", "exp")
 
 
 class CSC:
@@ -62,6 +72,8 @@ class CSC:
         warmup_steps: steps with ``BucketRef.step < warmup_steps`` are sent dense; the
             engine's step 0 is always dense, so ``warmup_steps=W`` means ``max(W, 1)`` dense
             steps in a DataParallel run.
+        ramp: ``"dense"`` (default): the warm-up steps send everything; ``"exp"``: their
+            density falls from 1 to ``density`` as ``density ** (step / warmup_steps)``.
         momentum: local momentum ``m``, ``0 <= m < 1``; set the optimizer's momentum to 0.
         wire_dtype: payload dtype: ``torch.float16`` (default), ``torch.bfloat16`` or
             ``torch.float32``. Scores always travel in fp32.
@@ -87,6 +99,7 @@ class CSC:
         warmup_steps: int = 0,
         momentum: float = 0.9,
         wire_dtype: torch.dtype = torch.float16,
+        ramp: str = "dense",
     ) -> None:
         check_range("CSC", "density", density, 0.0, 1.0, lo_open=True)
         self.chunk_elems = check_int("CSC", "chunk_elems", chunk_elems, 1)
@@ -97,6 +110,9 @@ class CSC:
                 f"CSC: wire_dtype={wire_dtype} is not supported; valid: "
                 + ", ".join(str(d) for d in _WIRE_DTYPES)
             )
+        if ramp not in _RAMPS:
+            raise ConfigError(f"CSC: ramp={ramp!r} is not supported; valid: {', '.join(_RAMPS)}")
+        self.ramp = ramp
         self.density = float(density)
         self.momentum = float(momentum)
         self.wire_dtype = wire_dtype
@@ -108,8 +124,17 @@ class CSC:
         return (
             f"CSC(density={self.density}, chunk_elems={self.chunk_elems}, "
             f"warmup_steps={self.warmup_steps}, momentum={self.momentum}, "
-            f"wire_dtype={self.wire_dtype})"
+            f"wire_dtype={self.wire_dtype}, ramp={self.ramp!r})"
         )
+
+    def density_at(self, step: int) -> float:
+        """The density used at ``step``: 1 during a dense warm-up, the exponential ramp's
+        ``density ** (step / warmup_steps)`` during an ``"exp"`` one, then ``density``."""
+        if step >= self.warmup_steps:
+            return self.density
+        if self.ramp == "dense":
+            return 1.0
+        return float(self.density ** (step / self.warmup_steps))
 
     def _accumulate(self, index: int, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Momentum correction ``u = m*u + g; v = v + u``; returns ``(u, v)``."""
@@ -126,29 +151,32 @@ class CSC:
     def reduce(self, bucket: BucketRef, grad: torch.Tensor, comm: Collective) -> Pending:
         u, v = self._accumulate(bucket.index, grad)
         n_chunks = ch.num_chunks(grad.numel(), self.chunk_elems)
-        k = ch.chunks_to_send(self.density, n_chunks)
+        k = ch.chunks_to_send(self.density_at(bucket.step), n_chunks)
         where = f"bucket {bucket.index} at step {bucket.step}"
-        if bucket.step < self.warmup_steps or k == n_chunks:
-            return self._dense(bucket.index, grad, u, v, n_chunks, comm, f"csc dense {where}")
+        if k == n_chunks:
+            return self._dense(bucket.index, grad, v, n_chunks, comm, f"csc dense {where}")
 
-        scores = ch.chunk_scores(v, self.chunk_elems)
+        chunk = self.chunk_elems
+        scores = ch.chunk_scores(v, chunk)
         first = comm.allreduce(scores, f"csc scores of {where}")
         world = comm.world_size
-        mask = torch.empty(0, dtype=torch.bool)
+        selected = torch.empty(0, dtype=torch.int64)
         payload = torch.empty(0)
 
         def launch_payload() -> Pending:
-            nonlocal mask, payload
+            nonlocal selected, payload
             selected = ch.select_chunks(scores, k)
             self.last_selection[bucket.index] = selected
-            mask = ch.element_mask(selected, n_chunks, self.chunk_elems, grad.numel())
-            payload = ch.pack(v, mask).div_(world).to(self.wire_dtype)
-            u[mask] = 0.0
-            v[mask] = 0.0
+            packed = ch.pack_chunks(v, selected, chunk)
+            if world > 1:
+                packed.div_(world)
+            payload = packed.to(self.wire_dtype)
+            ch.zero_chunks(u, selected, chunk)  # momentum factor masking
+            ch.zero_chunks(v, selected, chunk)
             return comm.allreduce(payload, f"csc payload of {where}")
 
         def finish() -> None:
-            ch.unpack(payload, mask, grad)
+            ch.unpack_chunks(payload, selected, chunk, grad)
 
         return self._order.submit(first, launch_payload, finish, f"csc reduction of {where}")
 
@@ -156,14 +184,16 @@ class CSC:
         self,
         index: int,
         grad: torch.Tensor,
-        u: torch.Tensor,
         v: torch.Tensor,
         n_chunks: int,
         comm: Collective,
         what: str,
     ) -> Pending:
-        payload = v.div(comm.world_size).to(self.wire_dtype)
-        u.zero_()
+        """Send all of ``v``; keep ``u`` (see the module docstring: momentum SGD exactly)."""
+        if comm.world_size > 1:
+            payload = v.div(comm.world_size).to(self.wire_dtype)
+        else:
+            payload = v.to(self.wire_dtype, copy=True)
         v.zero_()
         self.last_selection[index] = torch.arange(n_chunks)
         sent = comm.allreduce(payload, what)

@@ -21,7 +21,9 @@ FORMS = {
     "none": "lossless fp32 allreduce",
     "fp16": "fp16 on the wire",
     "bf16": "bf16 on the wire",
-    "csc:DENSITY[:warmup=N][:chunk=C][:momentum=M]": "coarse-grained sparse, e.g. csc:0.01",
+    "csc:DENSITY[:warmup=N][:chunk=C][:momentum=M][:ramp=dense|exp]": (
+        "coarse-grained sparse, e.g. csc:0.01"
+    ),
     "topk:RATIO": "element-wise top-k with error feedback, e.g. topk:0.01",
     "powersgd:RANK[:warmup=N]": "low-rank PowerSGD, e.g. powersgd:4",
 }
@@ -38,6 +40,7 @@ _TABLE: _Table = {
             "warmup": ("warmup_steps", int),
             "chunk": ("chunk_elems", int),
             "momentum": ("momentum", float),
+            "ramp": ("ramp", str),
         },
         CSC,
     ),
