@@ -167,10 +167,11 @@ class StageReplicas:
         if not tensors:
             return
         flat = self._buffer(stage, tensors)
-        views, offset = [], 0
+        views, layout, offset = [], [], 0
         with torch.no_grad():
             for t in tensors:
                 view = flat[offset : offset + t.numel()].view_as(t)
+                layout.append((offset, tuple(t.shape)))
                 offset += t.numel()
                 if t.grad is None:
                     view.zero_()
@@ -179,7 +180,8 @@ class StageReplicas:
                 views.append(view)
         what = f"REDUCE of stage {stage} at step {step}"
         try:
-            pending = self.compression.reduce(BucketRef(stage, step), flat, self._comm)
+            bucket = BucketRef(stage, step, tuple(layout))  # per-tensor compressors (PowerSGD)
+            pending = self.compression.reduce(bucket, flat, self._comm)
         except CommError as exc:
             raise type(exc)(f"{self._context(what)} failed: {exc}") from exc
         self._wait(pending, what)

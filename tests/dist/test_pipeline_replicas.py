@@ -9,13 +9,14 @@ breaks the groups on purpose (a replica that starts late), so it runs last.
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
 import torch
 
 from syncline import comm
-from syncline.dp.compressors import FP16
+from syncline.dp.compressors import FP16, PowerSGD
 from syncline.errors import CommError, ConfigError
 from syncline.models import lm_loss
 from syncline.pipeline import Pipeline, StageError
@@ -31,6 +32,7 @@ CASES = {
     "1f1b": ("1f1b", 2, [2, 2], 2, None),
     "2bw": ("2bw", 2, [1, 3], 2, None),
     "2bw-fp16": ("2bw", 2, [1, 3], 2, "fp16"),
+    "1f1b-powersgd": ("1f1b", 2, [2, 2], 2, "powersgd"),
     "interleaved": ("interleaved", 2, [1, 1, 1, 1], 4, None),
     "1f1b-profiled": ("1f1b", 2, None, 2, None),  # each pipeline profiles: the first's wins
 }
@@ -57,13 +59,19 @@ def _train(name: str, pipe_group: comm.Group, dp_group: comm.Group) -> dict:
         balance=balance,
         process_group=pipe_group,
         data_parallel_group=dp_group,
-        compression=FP16() if compression == "fp16" else None,
+        compression={"fp16": FP16(), "powersgd": PowerSGD(rank=1)}.get(compression or ""),
         timeout_s=30,
     )
     batches = iter(_shard(comm.group_rank(dp_group)))
     losses = [pipe.train_step(batches) for _ in range(STEPS - 1)]
     losses.append(pipe.flush() if schedule == "2bw" else pipe.train_step(batches))
-    return {"state": pipe.local_state_dict(), "losses": losses, "balance": pipe.balance}
+    return {
+        "state": pipe.local_state_dict(),
+        "losses": losses,
+        "balance": pipe.balance,
+        "compression": pipe.compression.state_dict(),
+        "shapes": [tuple(p.shape) for p in pipe.stage_module.parameters()],
+    }
 
 
 def _bad_layouts(pipe_group: comm.Group, dp_group: comm.Group) -> list[str]:
@@ -173,6 +181,23 @@ def test_fp16_reduce_is_close_to_the_dense_one(per_rank) -> None:
     # the replicas still agree exactly: every one applied the same averaged gradient
     first, second = _merged(per_rank, "2bw-fp16", 0), _merged(per_rank, "2bw-fp16", 1)
     for key, value in first.items():
+        assert torch.equal(second[key], value), key
+
+
+def test_powersgd_reduce_compresses_each_weight_matrix_of_a_stage(per_rank) -> None:
+    """The REDUCE hands PowerSGD the stage's layout: one rank-1 factor pair per weight matrix
+    whose factors are >= 2x smaller (Vogels et al.; DDP's hook), not one for the whole buffer."""
+    for r in per_rank:
+        matrices = [
+            (s[0], math.prod(s[1:])) for s in r["1f1b-powersgd"]["shapes"] if len(s) >= 2
+        ]
+        q_numel = sum(cols for rows, cols in matrices if 2 * (rows + cols) < rows * cols)
+        (bucket,) = r["1f1b-powersgd"]["compression"]["buckets"].values()
+        assert q_numel > 0 and bucket["q"].numel() == q_numel
+    dense = _merged(per_rank, "1f1b", 0)
+    first, second = _merged(per_rank, "1f1b-powersgd", 0), _merged(per_rank, "1f1b-powersgd", 1)
+    assert any(not torch.equal(first[k], dense[k]) for k in dense), "PowerSGD changed nothing"
+    for key, value in first.items():  # every replica applied the same decompressed average
         assert torch.equal(second[key], value), key
 
 
