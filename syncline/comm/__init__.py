@@ -16,6 +16,7 @@ if TYPE_CHECKING:
         broadcast_tensors,
         broadcast_tensors_async,
         completed,
+        gather_objects,
     )
     from syncline.comm.groups import (
         Group,
@@ -45,6 +46,7 @@ _EXPORTS = {
             "broadcast_tensors",
             "broadcast_tensors_async",
             "completed",
+            "gather_objects",
         ],
         "syncline.comm.collectives",
     ),
@@ -82,6 +84,7 @@ __all__ = [
     "bus_bandwidth",
     "completed",
     "destroy",
+    "gather_objects",
     "group_rank",
     "group_size",
     "hierarchical_allreduce_time",
