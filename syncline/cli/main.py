@@ -179,8 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pp = t.add_argument_group(
         "pipeline parallelism",
-        "world size = pipeline stages x data-parallel replicas; this version runs one "
-        "replica (world size == --pipeline-stages)",
+        "world size = pipeline stages x data-parallel replicas; this version runs one\n"
+        "replica (world size == --pipeline-stages). Not yet with --compression or\n"
+        "--allreduce hierarchical.",
     )
     pp.add_argument(
         "--pipeline-stages",

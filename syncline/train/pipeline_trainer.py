@@ -225,8 +225,9 @@ def _finish(
     write_trace(timeline, run_dir / "trace.json", stages_of)
     first = max(0, cfg.steps - TRACE_STEPS)
     title = (
-        f"{cfg.schedule}{' + recompute' if cfg.recompute else ''}: {cfg.virtual_stages} stages, "
-        f"m={cfg.microbatches}, steps {first}-{cfg.steps - 1} (measured)"
+        f"{cfg.schedule}{' + recompute' if cfg.recompute else ''}: {cfg.virtual_stages} stages "
+        f"on {cfg.pipeline_stages} ranks, m={cfg.microbatches}, steps {first}-{cfg.steps - 1} "
+        "(measured)"
     )
     plot_schedule(timeline, run_dir / "schedule.png", title)
     plot_loss(log.records, run_dir / "loss.png", f"{cfg.model} on {cfg.dataset}, {title}")
@@ -262,9 +263,10 @@ def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
         f"{summary['virtual_stages']} stages (balance {summary['balance']}), "
         f"m={summary['microbatches']} | loss {summary['first_loss']:.4f} -> "
         f"{summary['final_loss']:.4f} | {summary['median_samples_per_s']:.1f} samples/s, "
-        f"{summary['median_tokens_per_s']:.0f} tokens/s (median) | peak stashed activations "
-        f"{human_bytes(peak)} per stage | idle {summary['traced_bubble_fraction']:.0%} of the "
-        f"traced steps | {summary['elapsed_s']:.1f}s\n"
+        f"{summary['median_tokens_per_s']:.0f} tokens/s (median) | stashed activations "
+        f"{human_bytes(peak)} at most (largest stage) | idle "
+        f"{summary['traced_bubble_fraction']:.0%} of the traced steps | "
+        f"{summary['elapsed_s']:.1f}s\n"
         f"run directory: {run_dir} (config.json, metrics.jsonl, loss.png, checkpoint.pt, "
         "summary.json, trace.json, schedule.png)",
         flush=True,

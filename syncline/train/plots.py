@@ -95,7 +95,8 @@ def plot_schedule(timeline: Timeline, path: Path, title: str) -> Path:
         fontsize=8,
         frameon=False,
     )
-    ax.set_yticks(stages, [f"stage {s}" for s in stages])
+    rank_of = {e.action.stage: e.rank for e in events}
+    ax.set_yticks(stages, [f"stage {s} (rank {rank_of.get(s, s)})" for s in stages])
     ax.set_ylim(max(stages) + 0.6, min(stages) - 0.6)
     ax.set_xlim(0, span * 1.01)
     ax.set_xlabel("time (ms)")

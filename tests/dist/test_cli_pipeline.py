@@ -104,3 +104,11 @@ def test_bad_pipeline_input_is_one_line_and_exit_2(tmp_path, args, match) -> Non
     assert "Traceback" not in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "bad").exists()
+
+
+def test_help_documents_the_pipeline_options() -> None:
+    res = _syncline("train", "--help", timeout=60)
+    assert res.returncode == 0
+    for option in ("--pipeline-stages", "--microbatches", "--schedule", "--recompute", "--balance"):
+        assert option in res.stdout
+    assert "trace.json" in res.stdout and "schedule.png" in res.stdout
