@@ -58,8 +58,11 @@ def pipeline_groups(cfg: TrainConfig, world: int) -> tuple[comm.Group, comm.Grou
     raise ConfigError(pipeline_replicas_error(cfg.pipeline_stages, world))
 
 
-def build_pipeline(cfg: TrainConfig, model: nn.Sequential, device: torch.device) -> Pipeline:
-    """The configured :class:`Pipeline` over ``model`` (this rank keeps its stages only)."""
+def build_pipeline(
+    cfg: TrainConfig, model: nn.Sequential, device: torch.device, group: comm.Group
+) -> Pipeline:
+    """The configured :class:`Pipeline` over ``model`` on ``group`` (this rank keeps its
+    stages only)."""
     first_lr = lr_at(cfg, 0)
 
     def optimizer(params: Any) -> torch.optim.Optimizer:
@@ -67,7 +70,6 @@ def build_pipeline(cfg: TrainConfig, model: nn.Sequential, device: torch.device)
         set_lr([opt], first_lr)  # the stages are built in the first step when profiling
         return opt
 
-    group, _data_parallel = pipeline_groups(cfg, comm.group_size())
     assert cfg.schedule is not None and cfg.microbatches is not None
     return Pipeline(
         model,
@@ -78,7 +80,7 @@ def build_pipeline(cfg: TrainConfig, model: nn.Sequential, device: torch.device)
         optimizer=optimizer,
         recompute=cfg.recompute,
         balance=None if cfg.balance is None else list(cfg.balance),
-        process_group=group,  # with replicas: data_parallel_group=_data_parallel as well
+        process_group=group,  # with replicas: data_parallel_group= as well
         timeout_s=cfg.timeout_s,
         device=device,
     )
@@ -92,7 +94,8 @@ def train_pipeline(cfg: TrainConfig, rank: int, world: int, device: torch.device
     # global rank = stage * replicas + replica: every stage of replica j reads shard j
     shard = ShardedBatches(dataset, cfg.batch_size, rank % replicas, replicas, cfg.seed)
     batches = itertools.islice(shard.batches(), cfg.steps)  # 2BW must not start one more
-    pipe = build_pipeline(cfg, model, device)
+    group, _data_parallel = pipeline_groups(cfg, world)
+    pipe = build_pipeline(cfg, model, device, group)
     log = MetricsLog(Path(cfg.run_dir) / "metrics.jsonl") if rank == 0 else None
     progress = Progress(cfg.steps) if rank == 0 else None
     t_start = trace_from = time.perf_counter()
@@ -230,7 +233,11 @@ def _finish(
         "(measured)"
     )
     plot_schedule(timeline, run_dir / "schedule.png", title)
-    plot_loss(log.records, run_dir / "loss.png", f"{cfg.model} on {cfg.dataset}, {title}")
+    plot_loss(
+        log.records,
+        run_dir / "loss.png",
+        f"{cfg.model} on {cfg.dataset}, {cfg.schedule} pipeline of {cfg.virtual_stages} stages",
+    )
     summary = summarize(log.records)
     for key in ("wire_bytes_per_step", "collectives_per_step", "median_exposed_comm_s"):
         summary.pop(key, None)
