@@ -6,6 +6,21 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from syncline.errors import ConfigError
+from syncline.partition import check_balance
+from syncline.pipeline.plan import SCHEDULES
+
+__all__ = [
+    "ALLREDUCE",
+    "BACKENDS",
+    "CNN_LAYERS",
+    "DATASETS",
+    "INTERLEAVED_CHUNKS",
+    "MODELS",
+    "OPTIMIZERS",
+    "SCHEDULES",
+    "DataParallelConfig",
+    "TrainConfig",
+]
 
 
 def _positive(name: str, value: float) -> None:
@@ -65,6 +80,12 @@ DATASETS = {"gpt": ("stdlib",), "cnn": ("digits", "synthetic")}
 OPTIMIZERS = ("adamw", "sgd")
 BACKENDS = ("auto", "gloo", "nccl")
 ALLREDUCE = ("flat", "hierarchical")
+#: Layers of the CNN as ``syncline train`` builds it: ``build_cnn(CNNConfig())`` has
+#: ``depth + 3 == 5`` (stem, one residual block, pool, flatten, linear); kept as a number
+#: so this module stays free of torch, checked against the model by a unit test.
+CNN_LAYERS = 5
+#: Virtual stages per rank of ``schedule="interleaved"`` (Megatron's chunks).
+INTERLEAVED_CHUNKS = 2
 
 
 @dataclass(frozen=True)
@@ -103,6 +124,17 @@ class TrainConfig:
             iproute2.
         inject_failure: ``"RANK:STEP"`` makes that rank exit at that step (to test that a
             dead rank stops the job with a message naming it).
+        pipeline_stages: D, ranks per pipeline; 1 trains with data parallelism only. The
+            world is D x replicas (global rank = stage * replicas + replica); this version
+            runs one replica (world size == D).
+        microbatches: M, micro-batches per batch of a replica; ``None`` resolves to
+            ``2 * pipeline_stages`` on creation (small bubble, and valid for every schedule).
+        schedule: ``gpipe``, ``1f1b`` (PipeDream-Flush), ``2bw`` (PipeDream-2BW) or
+            ``interleaved`` (``INTERLEAVED_CHUNKS`` virtual stages per rank); ``None``
+            resolves to ``1f1b`` when pipelined.
+        recompute: keep only each stage's inputs and recompute the forward before backward.
+        balance: layers per (virtual) stage, summing to the model's layers; ``None``
+            profiles the layers on the first micro-batch and balances their times.
     """
 
     model: str = "gpt"
@@ -136,6 +168,11 @@ class TrainConfig:
     allreduce: str = "flat"
     ranks_per_node: int | None = None
     emulate_network: str | None = None
+    pipeline_stages: int = 1
+    microbatches: int | None = None
+    schedule: str | None = None
+    recompute: bool = False
+    balance: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -158,6 +195,7 @@ class TrainConfig:
             "cnn_width",
             "threads",
             "log_every",
+            "pipeline_stages",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -177,7 +215,14 @@ class TrainConfig:
             raise ConfigError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ConfigError(f"nnodes={self.nnodes} needs --rdzv-endpoint HOST:PORT")
-        if self.batch_size % self.world_size:
+        if self.pipeline_stages > 1:
+            self._check_pipeline()
+        elif self.microbatches is not None or self.schedule or self.recompute or self.balance:
+            raise ConfigError(
+                "microbatches, schedule, recompute and balance need pipeline_stages > 1 "
+                f"(got pipeline_stages={self.pipeline_stages}); add --pipeline-stages D"
+            )
+        elif self.batch_size % self.world_size:
             raise ConfigError(
                 f"batch_size={self.batch_size} is not divisible by the number of ranks "
                 f"{self.world_size} (nnodes={self.nnodes} x nproc_per_node="
@@ -202,6 +247,83 @@ class TrainConfig:
                 f"ranks_per_node={self.ranks_per_node} must be positive and divide the "
                 f"{self.world_size} ranks"
             )
+
+    def _check_pipeline(self) -> None:
+        """Resolve the pipeline defaults and check them against the model and the ranks."""
+        d, world = self.pipeline_stages, self.world_size
+        schedule = self.schedule or "1f1b"
+        if schedule not in SCHEDULES:
+            raise ConfigError(f"schedule={schedule!r} is unknown; valid: {', '.join(SCHEDULES)}")
+        m = 2 * d if self.microbatches is None else self.microbatches
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ConfigError(f"microbatches={m!r} must be a positive integer")
+        object.__setattr__(self, "schedule", schedule)
+        object.__setattr__(self, "microbatches", m)
+        if self.balance is not None:
+            object.__setattr__(self, "balance", tuple(self.balance))
+        stages, layers = self.virtual_stages, self.model_layers
+        if stages > layers:
+            raise ConfigError(
+                f"pipeline_stages={d} needs {stages} stages but the {self.model} model has "
+                f"{layers} layers ({self._layers_text()}); valid: at most {layers} stages"
+            )
+        if world % d:
+            raise ConfigError(
+                f"pipeline_stages={d} does not divide the {world} ranks (nnodes={self.nnodes} "
+                f"x nproc_per_node={self.nproc_per_node}); use a world size that D divides"
+            )
+        replicas = world // d
+        if self.batch_size % replicas or (self.batch_size // replicas) % m:
+            raise ConfigError(
+                f"batch_size={self.batch_size} over {replicas} replica(s) does not split into "
+                f"microbatches={m} equal micro-batches; use a multiple of {replicas * m}"
+            )
+        if schedule == "2bw" and m < d:
+            raise ConfigError(f"microbatches={m} must be >= pipeline_stages={d} for 2bw")
+        if schedule == "interleaved" and m % d:
+            raise ConfigError(
+                f"microbatches={m} must be a multiple of pipeline_stages={d} for interleaved"
+            )
+        if self.balance is not None:
+            check_balance(list(self.balance), layers, stages)
+        if self.allreduce != "flat":
+            raise ConfigError(
+                f"allreduce={self.allreduce!r} does not combine with pipeline_stages={d} yet "
+                "(each stage's replicas reduce over one flat group); use --allreduce flat"
+            )
+        if self.compression != "none" and world == d:
+            raise ConfigError(
+                f"compression={self.compression!r} compresses the gradient allreduce of "
+                f"data-parallel replicas, and pipeline_stages={d} on {world} ranks has none; "
+                f"use a multiple of {d} ranks (e.g. --nproc-per-node {2 * d}) or --compression none"
+            )
+
+    def _layers_text(self) -> str:
+        if self.model == "gpt":
+            return f"embedding + n_layer={self.n_layer} blocks + head"
+        return "stem, residual block, pool, flatten, linear"
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the model is split into a pipeline (``pipeline_stages > 1``)."""
+        return self.pipeline_stages > 1
+
+    @property
+    def model_layers(self) -> int:
+        """Length of the model's ``nn.Sequential``: what a pipeline can cut."""
+        return self.n_layer + 2 if self.model == "gpt" else CNN_LAYERS
+
+    @property
+    def virtual_stages(self) -> int:
+        """Stages of the pipeline: ``pipeline_stages``, times the chunks when interleaved."""
+        chunks = INTERLEAVED_CHUNKS if self.schedule == "interleaved" else 1
+        return self.pipeline_stages * chunks
+
+    @property
+    def pipeline_replicas(self) -> int:
+        """Data-parallel replicas of each pipeline stage (1 without a pipeline: all ranks
+        are replicas of one another then, see ``world_size``)."""
+        return self.world_size // self.pipeline_stages
 
     @property
     def world_size(self) -> int:
@@ -230,7 +352,11 @@ class TrainConfig:
         return rank, step
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields as JSON values (``balance`` as a list), as saved in ``config.json``."""
+        out = asdict(self)
+        if self.balance is not None:
+            out["balance"] = list(self.balance)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:

@@ -16,19 +16,33 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from syncline.config import BACKENDS, DATASETS, MODELS, OPTIMIZERS, TrainConfig
+from syncline.config import (
+    BACKENDS,
+    DATASETS,
+    INTERLEAVED_CHUNKS,
+    MODELS,
+    OPTIMIZERS,
+    SCHEDULES,
+    TrainConfig,
+)
 from syncline.errors import CommError, ConfigError
 
 _D = TrainConfig()  # defaults, shown in --help
 
 DESCRIPTION = """\
-Train a reference model with syncline's data parallelism, launched through torchrun's
-elastic launcher. With no options: the GPT byte-level language model on the Python standard
-library's own source code, 2 local processes (gloo on CPU, NCCL on GPUs), about a minute or two.
+Train a reference model with syncline's data parallelism, or as a pipeline
+(--pipeline-stages), launched through torchrun's elastic launcher. With no options: the GPT
+byte-level language model on the Python standard library's own source code, 2 local
+processes (gloo on CPU, NCCL on GPUs), about a minute or two.
 
 Output: a progress line per logged step (loss, samples/s, tokens/s, bytes allreduced per
 step), a summary, and a run directory with config.json, metrics.jsonl, loss.png,
-summary.json and checkpoint.pt (written atomically, verified on load).
+summary.json and checkpoint.pt (written atomically, verified on load); pipelines add
+trace.json (Chrome/Perfetto trace of the executed actions of every rank) and schedule.png
+(their Gantt chart), both of the last steps.
+
+Pipeline example: syncline train --pipeline-stages 2 --microbatches 8 --schedule 2bw
+(the model is cut into 2 stages, one per rank; the batch into 8 micro-batches).
 
 Multi-node: run the same command on every node with --nnodes, --node-rank and
 --rdzv-endpoint HOST:PORT of node 0.
@@ -45,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     t = sub.add_parser(
         "train",
-        help="train a reference model with data parallelism",
+        help="train a reference model with data or pipeline parallelism",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -163,6 +177,52 @@ def build_parser() -> argparse.ArgumentParser:
         help="node size for --allreduce hierarchical (default: torchrun's local "
         "world size); smaller values emulate several nodes on one machine",
     )
+    pp = t.add_argument_group(
+        "pipeline parallelism",
+        "world size = pipeline stages x data-parallel replicas; this version runs one\n"
+        "replica (world size == --pipeline-stages). Not yet with --compression or\n"
+        "--allreduce hierarchical.",
+    )
+    pp.add_argument(
+        "--pipeline-stages",
+        type=int,
+        default=_D.pipeline_stages,
+        metavar="D",
+        help="cut the model into D stages, one per rank; at most the model's layers "
+        "(gpt: n_layer + 2) (default: %(default)s = data parallelism only)",
+    )
+    pp.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        metavar="M",
+        help="micro-batches per batch; must divide the batch per replica; 2bw needs "
+        "M >= D, interleaved a multiple of D (default: 2 x D)",
+    )
+    pp.add_argument(
+        "--schedule",
+        default=None,
+        metavar="NAME",
+        help=f"{', '.join(SCHEDULES)}: GPipe (all forwards, then all backwards), 1F1B "
+        "(PipeDream-Flush), 2BW (PipeDream-2BW: no flush, two weight versions), "
+        f"interleaved (Megatron, {INTERLEAVED_CHUNKS} virtual stages per rank) "
+        "(default: 1f1b)",
+    )
+    pp.add_argument(
+        "--recompute",
+        action="store_true",
+        default=None,
+        help="keep only stage inputs and recompute each forward before its backward "
+        "(less activation memory, about one more forward of compute)",
+    )
+    pp.add_argument(
+        "--balance",
+        type=_layers_per_stage,
+        default=None,
+        metavar="N,N,...",
+        help="layers per stage (per virtual stage for interleaved), summing to the model's "
+        "layers (default: profile the layers on the first micro-batch and balance their times)",
+    )
     la = t.add_argument_group("launch (passed to torchrun)")
     la.add_argument(
         "--nproc-per-node",
@@ -220,6 +280,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="testing aid: make RANK exit at STEP, to see the job stop cleanly",
     )
     return parser
+
+
+def _layers_per_stage(text: str) -> tuple[int, ...]:
+    """``--balance 2,3`` as ``(2, 3)``; sizes are checked against the model by TrainConfig."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"balance={text!r} is not a comma-separated list of layers per stage, e.g. 2,2"
+        ) from None
 
 
 def _max_local_processes(backend: str) -> tuple[int, str]:
@@ -281,8 +351,14 @@ def cmd_train(ns: argparse.Namespace) -> int:
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     config_path = run_dir / "config.json"
     config_path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    pipeline = (
+        f", pipeline of {cfg.pipeline_stages} stages ({cfg.schedule}, "
+        f"{cfg.microbatches} micro-batches{', recompute' if cfg.recompute else ''})"
+        if cfg.pipelined
+        else ""
+    )
     print(
-        f"syncline train: {cfg.model} on {cfg.dataset}, {cfg.world_size} rank(s), "
+        f"syncline train: {cfg.model} on {cfg.dataset}, {cfg.world_size} rank(s){pipeline}, "
         f"global batch {cfg.batch_size}, {cfg.steps} steps -> {run_dir}",
         flush=True,
     )

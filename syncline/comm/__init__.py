@@ -16,6 +16,7 @@ if TYPE_CHECKING:
         broadcast_tensors,
         broadcast_tensors_async,
         completed,
+        gather_objects,
     )
     from syncline.comm.groups import (
         Group,
@@ -51,6 +52,7 @@ _EXPORTS = {
             "broadcast_tensors",
             "broadcast_tensors_async",
             "completed",
+            "gather_objects",
         ],
         "syncline.comm.collectives",
     ),
@@ -101,6 +103,7 @@ __all__ = [
     "bus_bandwidth",
     "completed",
     "destroy",
+    "gather_objects",
     "global_rank",
     "group_rank",
     "group_ranks",

@@ -8,9 +8,10 @@ collective's business, so a new algorithm plugs in without touching the engine's
 from __future__ import annotations
 
 import datetime
+import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -187,3 +188,55 @@ def broadcast_tensors(
 ) -> None:
     """Blocking :func:`broadcast_tensors_async`."""
     broadcast_tensors_async(tensors, src=src, group=group, what=what).wait()
+
+
+def gather_objects(
+    obj: Any,
+    *,
+    dst: int = 0,
+    group: Group = None,
+    what: str = "gather",
+    timeout_s: float = 300.0,
+    device: torch.device | None = None,
+) -> list[Any] | None:
+    """Gather one object from every rank of ``group`` to ``dst`` (a rank *within* ``group``).
+
+    For end-of-run results (stage weights, traces, memory statistics), not for the hot path.
+    Objects go through ``torch.save``, so tensors keep dtype and shape; the sizes are
+    allgathered first, then the padded payloads gathered in one message per rank. Unlike
+    ``dist.gather_object`` every wait has ``timeout_s`` and names ``what`` when it fails.
+
+    Returns:
+        On ``dst``: the objects in group-rank order. Elsewhere: ``None``.
+
+    Raises:
+        CommError, CommTimeout: a peer failed or did not take part in time.
+    """
+    rank, size = group_rank(group), group_size(group)
+    if size == 1:
+        return [obj]
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    dev = torch.device("cpu") if device is None else device
+    length = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+    pending, lengths = FlatAllreduce(group, timeout_s=timeout_s).allgather(
+        length, f"{what} (sizes)"
+    )
+    pending.wait()
+    sizes = [int(t.item()) for t in lengths]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=dev)
+    padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = [torch.empty_like(padded) for _ in range(size)] if rank == dst else None
+    global_dst = dst if group is None else dist.get_global_rank(group, dst)
+    try:
+        work = dist.gather(padded, gather_list=out, dst=global_dst, group=group, async_op=True)
+    except RuntimeError as exc:
+        raise CommError(f"rank {rank}: {what} could not start: {exc}") from exc
+    Pending([] if work is None else [work], what, timeout_s, rank, wire_bytes=len(data)).wait()
+    if out is None:
+        return None
+    return [
+        torch.load(io.BytesIO(t[:n].cpu().numpy().tobytes()), weights_only=False)
+        for t, n in zip(out, sizes, strict=True)
+    ]

@@ -21,18 +21,22 @@ class Progress:
         self.width = width
         self.tty = self.stream.isatty()
 
-    def line(self, step: int, loss: float, samples_s: float, tokens_s: float, wire: float) -> str:
+    def line(
+        self, step: int, loss: float, samples_s: float, tokens_s: float, wire: float | None
+    ) -> str:
+        """The progress text; ``wire`` (bytes allreduced per step) is left out when ``None``
+        (a pipeline without data-parallel replicas reduces nothing)."""
         done = (step + 1) / self.total
         filled = int(done * self.width)
         bar = "#" * filled + "." * (self.width - filled)
         return (
             f"step {step + 1:>5}/{self.total} [{bar}] loss {loss:7.4f} | "
-            f"{samples_s:8.1f} samples/s | {tokens_s:9.0f} tokens/s | "
-            f"{human_bytes(wire)}/step"
+            f"{samples_s:8.1f} samples/s | {tokens_s:9.0f} tokens/s"
+            + ("" if wire is None else f" | {human_bytes(wire)}/step")
         )
 
     def update(
-        self, step: int, loss: float, samples_s: float, tokens_s: float, wire: float
+        self, step: int, loss: float, samples_s: float, tokens_s: float, wire: float | None
     ) -> None:
         text = self.line(step, loss, samples_s, tokens_s, wire)
         if self.tty:

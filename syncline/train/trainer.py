@@ -8,9 +8,6 @@ records metrics, plots and writes the final checkpoint.
 from __future__ import annotations
 
 import json
-import math
-import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,65 +18,20 @@ from torch import nn
 from syncline.comm.collectives import Collective
 from syncline.config import TrainConfig
 from syncline.data import ShardedBatches
-from syncline.dp.compression import Compressor
 from syncline.dp.compressors import build_compressor
 from syncline.dp.engine import DataParallel
-from syncline.models import build_model, model_loss
+from syncline.models import model_loss
 from syncline.train.checkpoint import save_checkpoint
+from syncline.train.common import (
+    build_dataset,
+    build_model_for,
+    fail_if_injected,
+    lr_at,
+    make_optimizer,
+    set_lr,
+)
 from syncline.train.metrics import MetricsLog, StepRecord, plot_loss, summarize
 from syncline.train.progress import Progress, human_bytes
-
-
-def lr_at(cfg: TrainConfig, step: int) -> float:
-    """Linear warm-up (Goyal et al. 2017), then cosine decay to 10 % of ``cfg.lr``."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, cfg.steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def build_model_for(cfg: TrainConfig) -> nn.Sequential:
-    """The configured reference model, initialised from ``cfg.seed``."""
-    torch.manual_seed(cfg.seed)
-    if cfg.model == "gpt":
-        return build_model(
-            "gpt",
-            block_size=cfg.seq_len,
-            n_layer=cfg.n_layer,
-            n_embd=cfg.n_embd,
-            n_head=cfg.n_head,
-        )
-    return build_model("cnn", width=cfg.cnn_width)
-
-
-def build_dataset(cfg: TrainConfig) -> tuple[Any, int]:
-    """The configured data set and the number of tokens per sample (1 for images)."""
-    if cfg.dataset == "stdlib":
-        from syncline.data import ByteDataset, stdlib_corpus
-
-        return ByteDataset(stdlib_corpus(), cfg.seq_len), cfg.seq_len
-    from syncline.data import TensorPairDataset, digits_dataset, synthetic_images
-
-    if cfg.dataset == "digits":
-        images, labels = digits_dataset()
-    else:
-        images, labels = synthetic_images(4096, 8, 10, seed=cfg.seed)
-    return TensorPairDataset(images, labels), 1
-
-
-def make_optimizer(
-    cfg: TrainConfig, params: list[nn.Parameter], compressor: Compressor | None = None
-) -> torch.optim.Optimizer:
-    """The configured optimizer; SGD's momentum moves into CSC when CSC compresses.
-
-    CSC applies momentum *before* sparsification (momentum correction, Lin et al. 2018), so
-    the optimizer must not apply it a second time.
-    """
-    if cfg.optimizer == "sgd":
-        momentum = 0.0 if compressor is not None and compressor.name == "csc" else cfg.momentum
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=momentum, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
 def train(
@@ -109,19 +61,15 @@ def train(
         allreduce=allreduce,
     )
     opt = make_optimizer(cfg, [p for p in dp.parameters() if p.requires_grad], compressor)
-    fail = cfg.failure_point()
     run_dir = Path(cfg.run_dir)
     log = MetricsLog(run_dir / "metrics.jsonl") if rank == 0 else None
     progress = Progress(cfg.steps) if rank == 0 else None
     t_start = time.perf_counter()
     for step in range(cfg.steps):
-        if fail is not None and fail == (rank, step):
-            print(f"rank {rank}: injected failure at step {step}", file=sys.stderr, flush=True)
-            os._exit(17)
+        fail_if_injected(cfg, rank, step)
         t0 = time.perf_counter()
         lr = lr_at(cfg, step)
-        for group in opt.param_groups:
-            group["lr"] = lr
+        set_lr([opt], lr)
         x, y = batches.batch(step)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         opt.zero_grad(set_to_none=True)

@@ -14,6 +14,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from syncline import comm
 from syncline.config import TrainConfig
+from syncline.train.pipeline_trainer import train_pipeline
 from syncline.train.trainer import train
 
 
@@ -45,7 +46,10 @@ def main(argv: list[str] | None = None) -> int:
             per_node = cfg.ranks_per_node or os.environ.get("LOCAL_WORLD_SIZE", str(world))
             topology = Topology.from_env_values(world, per_node)
             allreduce = HierarchicalAllreduce(topology, timeout_s=cfg.timeout_s).build()
-        train(cfg, rank, world, device, allreduce=allreduce)
+        if cfg.pipelined:
+            train_pipeline(cfg, rank, world, device)
+        else:
+            train(cfg, rank, world, device, allreduce=allreduce)
     finally:
         comm.destroy()
     return 0

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from syncline.config import DataParallelConfig, TrainConfig
+from syncline.config import CNN_LAYERS, DataParallelConfig, TrainConfig
 from syncline.errors import ConfigError
+from syncline.models import build_model
 from syncline.train.trainer import lr_at
 
 
@@ -50,3 +53,58 @@ def test_lr_schedule_warms_up_then_decays() -> None:
     assert lr_at(cfg, 9) == pytest.approx(1.0)
     assert lr_at(cfg, 10) == pytest.approx(1.0)
     assert lr_at(cfg, 109) == pytest.approx(0.1, abs=1e-3)
+
+
+PIPE = {"pipeline_stages": 2}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"pipeline_stages": 0}, "pipeline_stages=0 must be a positive integer"),
+        ({"pipeline_stages": 7}, "pipeline_stages=7 needs 7 stages but the gpt model has 6"),
+        (
+            {**PIPE, "n_layer": 1, "schedule": "interleaved"},
+            "needs 4 stages but the gpt model has 3",
+        ),
+        ({"model": "cnn", "pipeline_stages": 6, "nproc_per_node": 6}, "cnn model has 5 layers"),
+        ({"pipeline_stages": 3}, "pipeline_stages=3 does not divide the 2 ranks"),
+        (
+            {**PIPE, "nproc_per_node": 4, "batch_size": 20},
+            "batch_size=20 over 2 replica(s) does not split into microbatches=4",
+        ),
+        ({**PIPE, "batch_size": 30}, "batch_size=30 over 1 replica(s) does not split into micro"),
+        ({**PIPE, "microbatches": 0}, "microbatches=0 must be a positive integer"),
+        ({**PIPE, "schedule": "2bw", "microbatches": 1}, "microbatches=1 must be >= pipeline_st"),
+        ({**PIPE, "schedule": "interleaved", "microbatches": 3, "batch_size": 6}, "multiple of"),
+        ({**PIPE, "schedule": "zigzag"}, "schedule='zigzag' is unknown; valid: gpipe, 1f1b, 2bw"),
+        ({**PIPE, "balance": (1, 1)}, "balance=[1, 1] sums to 2 layers but the module has 6"),
+        ({**PIPE, "balance": (6,)}, "balance=[6] has 1 stages; valid: 2 entries"),
+        ({**PIPE, "balance": (0, 6)}, "balance=[0, 6] is invalid"),
+        ({**PIPE, "compression": "fp16"}, "compression='fp16' compresses the gradient allreduce"),
+        ({**PIPE, "allreduce": "hierarchical"}, "allreduce='hierarchical' does not combine"),
+        ({"schedule": "gpipe"}, "need pipeline_stages > 1 (got pipeline_stages=1)"),
+        ({"microbatches": 4}, "need pipeline_stages > 1"),
+        ({"recompute": True}, "need pipeline_stages > 1"),
+    ],
+)
+def test_pipeline_config_errors(kwargs, match) -> None:
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        TrainConfig(**kwargs)
+
+
+def test_pipeline_defaults_resolve_on_creation_and_round_trip_through_json() -> None:
+    cfg = TrainConfig(pipeline_stages=2, balance=[1, 5])  # type: ignore[arg-type]
+    assert (cfg.schedule, cfg.microbatches, cfg.balance) == ("1f1b", 4, (1, 5))
+    assert cfg.to_dict()["balance"] == [1, 5]
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+    interleaved = TrainConfig(pipeline_stages=2, schedule="interleaved")
+    assert interleaved.virtual_stages == 4 and interleaved.pipeline_replicas == 1
+    assert TrainConfig().schedule is None and not TrainConfig().pipelined
+
+
+def test_model_layers_match_the_models_that_are_built() -> None:
+    """config.py stays free of torch, so it states the layer counts; they must be right."""
+    assert len(build_model("cnn")) == CNN_LAYERS == TrainConfig(model="cnn").model_layers
+    gpt = build_model("gpt", n_layer=3, n_embd=32)
+    assert len(gpt) == TrainConfig(n_layer=3, n_embd=32).model_layers

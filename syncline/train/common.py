@@ -1,0 +1,86 @@
+"""What the data-parallel and the pipeline training loops share: model, data, optimizer, lr.
+
+Kept apart so that both loops build the same model from the same seed and follow the same
+learning-rate schedule, and neither imports the other's engine.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from syncline.config import TrainConfig
+from syncline.dp.compression import Compressor
+from syncline.models import build_model
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up (Goyal et al. 2017), then cosine decay to 10 % of ``cfg.lr``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def build_model_for(cfg: TrainConfig) -> nn.Sequential:
+    """The configured reference model, initialised from ``cfg.seed``."""
+    torch.manual_seed(cfg.seed)
+    if cfg.model == "gpt":
+        return build_model(
+            "gpt",
+            block_size=cfg.seq_len,
+            n_layer=cfg.n_layer,
+            n_embd=cfg.n_embd,
+            n_head=cfg.n_head,
+        )
+    return build_model("cnn", width=cfg.cnn_width)
+
+
+def build_dataset(cfg: TrainConfig) -> tuple[Any, int]:
+    """The configured data set and the number of tokens per sample (1 for images)."""
+    if cfg.dataset == "stdlib":
+        from syncline.data import ByteDataset, stdlib_corpus
+
+        return ByteDataset(stdlib_corpus(), cfg.seq_len), cfg.seq_len
+    from syncline.data import TensorPairDataset, digits_dataset, synthetic_images
+
+    if cfg.dataset == "digits":
+        images, labels = digits_dataset()
+    else:
+        images, labels = synthetic_images(4096, 8, 10, seed=cfg.seed)
+    return TensorPairDataset(images, labels), 1
+
+
+def make_optimizer(
+    cfg: TrainConfig, params: list[nn.Parameter], compressor: Compressor | None = None
+) -> torch.optim.Optimizer:
+    """The configured optimizer; SGD's momentum moves into CSC when CSC compresses.
+
+    CSC applies momentum *before* sparsification (momentum correction, Lin et al. 2018), so
+    the optimizer must not apply it a second time.
+    """
+    if cfg.optimizer == "sgd":
+        momentum = 0.0 if compressor is not None and compressor.name == "csc" else cfg.momentum
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=momentum, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def set_lr(optimizers: list[torch.optim.Optimizer], lr: float) -> None:
+    """Set the learning rate of every parameter group of ``optimizers``."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = lr
+
+
+def fail_if_injected(cfg: TrainConfig, rank: int, step: int) -> None:
+    """Exit this rank with code 17 at the step ``--inject-failure`` names (a testing aid:
+    the job must stop cleanly and name the rank)."""
+    if cfg.failure_point() == (rank, step):
+        print(f"rank {rank}: injected failure at step {step}", file=sys.stderr, flush=True)
+        os._exit(17)

@@ -1,0 +1,288 @@
+"""The pipeline training loop behind ``syncline train --pipeline-stages D`` (one call per rank).
+
+Composition order: build the same full model on every rank (same seed), give each
+data-parallel replica of the pipeline its data shard (every stage of one pipeline gets the
+same batches), wrap the model in :class:`~syncline.pipeline.Pipeline` (which cuts it into
+stages and keeps this rank's), then run warm-up + cosine-decayed steps. At the end every
+rank flushes and sends its stage weights, optimizer state, memory statistics and the
+recorded actions of the last ``TRACE_STEPS`` steps to rank 0, which writes the checkpoint of
+the whole (unsplit) model, ``trace.json``, ``schedule.png``, the loss curve and the summary.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from syncline import comm
+from syncline.config import TrainConfig
+from syncline.data import ShardedBatches
+from syncline.dp.compressors import build_compressor
+from syncline.models import model_loss
+from syncline.pipeline import Pipeline
+from syncline.schedule import Event, Timeline, bubble_fraction, to_chrome_trace
+from syncline.train.checkpoint import save_checkpoint
+from syncline.train.common import (
+    build_dataset,
+    build_model_for,
+    fail_if_injected,
+    lr_at,
+    make_optimizer,
+    set_lr,
+)
+from syncline.train.metrics import MetricsLog, StepRecord, plot_loss, summarize
+from syncline.train.plots import plot_schedule
+from syncline.train.progress import Progress, human_bytes
+
+#: Steps (the last ones) whose actions go into trace.json and schedule.png: enough to see
+#: the steady state, bounded so that a long run does not write a huge file.
+TRACE_STEPS = 3
+
+
+def pipeline_groups(cfg: TrainConfig, world: int) -> tuple[comm.Group, comm.Group]:
+    """``(pipeline group, data-parallel group)`` of this rank; ``None`` is the world.
+
+    One pipeline (world size == stages) runs on the default group and has no replicas. With
+    ``w`` replicas, :func:`syncline.comm.build_pipeline_groups` lays out global rank =
+    stage * w + replica, so the replicas of a stage are neighbours (one node, fast links).
+    """
+    if world == cfg.pipeline_stages:
+        return None, None
+    return comm.build_pipeline_groups(cfg.pipeline_stages, timeout_s=cfg.timeout_s)
+
+
+def build_pipeline(
+    cfg: TrainConfig,
+    model: nn.Sequential,
+    device: torch.device,
+    group: comm.Group,
+    data_parallel_group: comm.Group = None,
+) -> Pipeline:
+    """The configured :class:`Pipeline` over ``model`` on ``group`` (this rank keeps its
+    stages only), its stages averaged over ``data_parallel_group`` through the configured
+    compressor when there are replicas."""
+    first_lr = lr_at(cfg, 0)
+    compressor = build_compressor(cfg.compression) if data_parallel_group is not None else None
+
+    def optimizer(params: Any) -> torch.optim.Optimizer:
+        opt = make_optimizer(cfg, list(params), compressor)
+        set_lr([opt], first_lr)  # the stages are built in the first step when profiling
+        return opt
+
+    assert cfg.schedule is not None and cfg.microbatches is not None
+    return Pipeline(
+        model,
+        num_stages=cfg.virtual_stages,
+        num_microbatches=cfg.microbatches,
+        schedule=cfg.schedule,
+        loss_fn=model_loss(cfg.model),
+        optimizer=optimizer,
+        recompute=cfg.recompute,
+        balance=None if cfg.balance is None else list(cfg.balance),
+        process_group=group,
+        data_parallel_group=data_parallel_group,
+        compression=compressor,
+        timeout_s=cfg.timeout_s,
+        device=device,
+    )
+
+
+def train_pipeline(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> dict[str, Any]:
+    """Train this rank's stages; returns the run summary (complete on rank 0)."""
+    replicas = cfg.pipeline_replicas
+    model = build_model_for(cfg).to(device)
+    dataset, tokens_per_sample = build_dataset(cfg)
+    # global rank = stage * replicas + replica: every stage of replica j reads shard j
+    shard = ShardedBatches(dataset, cfg.batch_size, rank % replicas, replicas, cfg.seed)
+    batches = itertools.islice(shard.batches(), cfg.steps)  # 2BW must not start one more
+    group, data_parallel = pipeline_groups(cfg, world)
+    pipe = build_pipeline(cfg, model, device, group, data_parallel)
+    log = MetricsLog(Path(cfg.run_dir) / "metrics.jsonl") if rank == 0 else None
+    progress = Progress(cfg.steps) if rank == 0 else None
+    t_start = trace_from = time.perf_counter()
+    for step in range(cfg.steps):
+        fail_if_injected(cfg, rank, step)
+        t0 = time.perf_counter()
+        if step == max(0, cfg.steps - TRACE_STEPS):
+            trace_from = t0
+        lr = lr_at(cfg, step)
+        if step:  # the first step builds the optimizers (with this lr) when it profiles
+            set_lr(pipe.optimizers, lr)
+        loss = pipe.train_step(batches)
+        if log is None or progress is None:
+            continue
+        if step % cfg.log_every == 0 or step == cfg.steps - 1:
+            dt = time.perf_counter() - t0
+            record = StepRecord(
+                step=step,
+                loss=loss,
+                lr=lr,
+                step_s=dt,
+                samples_per_s=cfg.batch_size / dt,
+                tokens_per_s=cfg.batch_size * tokens_per_sample / dt,
+                wire_bytes=0,
+                collectives=0,
+                exposed_comm_s=0.0,
+                elapsed_s=time.perf_counter() - t_start,
+            )
+            log.append(record)
+            progress.update(step, loss, record.samples_per_s, record.tokens_per_s, None)
+    pipe.flush()
+    gathered = comm.gather_objects(
+        _rank_results(pipe, trace_from),
+        what="gather of stage weights and traces",
+        timeout_s=cfg.timeout_s,
+        device=device if device.type == "cuda" else None,
+    )
+    if gathered is None or log is None or progress is None:
+        return {}
+    progress.close()
+    return _finish(cfg, model, gathered, log, world)
+
+
+def _rank_results(pipe: Pipeline, trace_from: float) -> dict[str, Any]:
+    """What rank 0 needs from this rank: weights, optimizer states, memory, and the actions
+    run from ``trace_from`` on (``perf_counter`` time: every action of the last calls,
+    whatever batch it belongs to, so that 2BW's overlap and the final flush are seen)."""
+    events = [e for evs in pipe.trace(origin=0.0).events.values() for e in evs]
+    optimizers = zip(pipe.stages, pipe.optimizers, strict=True)
+    return {
+        "state": {k: v.cpu() for k, v in pipe.local_state_dict().items()},
+        "optimizers": {s: o.state_dict() for s, o in optimizers},
+        "memory": {s: asdict(m) for s, m in pipe.memory_stats().items()},
+        "balance": pipe.balance,
+        "events": [e for e in events if e.start >= trace_from],
+    }
+
+
+def merge_timelines(name: str, per_rank: list[list[Event]], *, shared_clock: bool) -> Timeline:
+    """One timeline of every rank's events, starting at 0.
+
+    ``Pipeline.trace(origin=0.0)`` times are ``time.perf_counter()``, one clock for all
+    processes of a machine; across machines (``shared_clock=False``) each rank is aligned
+    at its own first event instead.
+    """
+    starts = [min((e.start for e in evs), default=0.0) for evs in per_rank]
+    base = min(starts, default=0.0)
+    events: dict[int, tuple[Event, ...]] = {}
+    for rank, evs in enumerate(per_rank):
+        origin = base if shared_clock else starts[rank]
+        events[rank] = tuple(Event(rank, e.action, e.start - origin, e.end - origin) for e in evs)
+    return Timeline(name, events)
+
+
+def write_trace(timeline: Timeline, path: Path, stages_of: dict[int, list[int]]) -> Path:
+    """Chrome/Perfetto trace JSON of ``timeline`` (seconds), one named row per rank."""
+    trace = to_chrome_trace(timeline, us_per_unit=1e6)
+    names: list[dict[str, object]] = [
+        {
+            "name": "thread_name",
+            "ph": "M",
+            "pid": 0,
+            "tid": rank,
+            "args": {"name": f"rank {rank}: stage {', '.join(map(str, stages))}"},
+        }
+        for rank, stages in stages_of.items()
+    ]
+    events = trace["traceEvents"]
+    assert isinstance(events, list)
+    trace["traceEvents"] = names + events
+    path.write_text(json.dumps(trace) + "\n")
+    return path
+
+
+def _merge_states(gathered: list[dict[str, Any]], model: nn.Module) -> dict[str, torch.Tensor]:
+    """The union of every rank's stage weights: ``model.state_dict()`` of the trained model."""
+    state: dict[str, torch.Tensor] = {}
+    for result in gathered:
+        state.update(result["state"])
+    missing = sorted(set(model.state_dict()) - set(state))
+    if missing:
+        raise RuntimeError(f"the stages sent no values for {missing[:5]} (of {len(missing)})")
+    return state
+
+
+def _finish(
+    cfg: TrainConfig,
+    model: nn.Module,
+    gathered: list[dict[str, Any]],
+    log: MetricsLog,
+    world: int,
+) -> dict[str, Any]:
+    run_dir = Path(cfg.run_dir)
+    optimizers = {s: o for r in gathered for s, o in r["optimizers"].items()}
+    memory = {s: m for r in gathered for s, m in sorted(r["memory"].items())}
+    ckpt = save_checkpoint(
+        run_dir / "checkpoint.pt",
+        {
+            "model": _merge_states(gathered, model),
+            "optimizers": optimizers,
+            "config": cfg.to_dict(),
+            "step": cfg.steps,
+            "balance": gathered[0]["balance"],
+        },
+    )
+    timeline = merge_timelines(
+        str(cfg.schedule), [r["events"] for r in gathered], shared_clock=cfg.nnodes == 1
+    )
+    stages_of = {rank: sorted(r["memory"]) for rank, r in enumerate(gathered)}
+    write_trace(timeline, run_dir / "trace.json", stages_of)
+    first = max(0, cfg.steps - TRACE_STEPS)
+    title = (
+        f"{cfg.schedule}{' + recompute' if cfg.recompute else ''}: {cfg.virtual_stages} stages "
+        f"on {cfg.pipeline_stages} ranks, m={cfg.microbatches}, steps {first}-{cfg.steps - 1} "
+        "(measured)"
+    )
+    plot_schedule(timeline, run_dir / "schedule.png", title)
+    plot_loss(
+        log.records,
+        run_dir / "loss.png",
+        f"{cfg.model} on {cfg.dataset}, {cfg.schedule} pipeline of {cfg.virtual_stages} stages",
+    )
+    summary = summarize(log.records)
+    for key in ("wire_bytes_per_step", "collectives_per_step", "median_exposed_comm_s"):
+        summary.pop(key, None)
+    summary.update(
+        model=cfg.model,
+        data=cfg.dataset,
+        world_size=world,
+        parameters=sum(p.numel() for p in model.parameters()),
+        schedule=cfg.schedule,
+        pipeline_stages=cfg.pipeline_stages,
+        virtual_stages=cfg.virtual_stages,
+        replicas=cfg.pipeline_replicas,
+        microbatches=cfg.microbatches,
+        recompute=cfg.recompute,
+        balance=gathered[0]["balance"],
+        memory=memory,
+        traced_steps=[first, cfg.steps - 1],
+        traced_bubble_fraction=bubble_fraction(timeline),
+        checkpoint=str(ckpt),
+    )
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _print_summary(summary, run_dir)
+    return summary
+
+
+def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
+    peak = max((m["peak_activation_bytes"] for m in summary["memory"].values()), default=0)
+    print(
+        f"\nsummary: {summary['steps']} steps, {summary['schedule']} over "
+        f"{summary['virtual_stages']} stages (balance {summary['balance']}), "
+        f"m={summary['microbatches']} | loss {summary['first_loss']:.4f} -> "
+        f"{summary['final_loss']:.4f} | {summary['median_samples_per_s']:.1f} samples/s, "
+        f"{summary['median_tokens_per_s']:.0f} tokens/s (median) | stashed activations "
+        f"{human_bytes(peak)} at most (largest stage) | idle "
+        f"{summary['traced_bubble_fraction']:.0%} of the traced steps | "
+        f"{summary['elapsed_s']:.1f}s\n"
+        f"run directory: {run_dir} (config.json, metrics.jsonl, loss.png, checkpoint.pt, "
+        "summary.json, trace.json, schedule.png)",
+        flush=True,
+    )
