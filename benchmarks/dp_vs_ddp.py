@@ -1,9 +1,11 @@
 """syncline.DataParallel vs torch DDP: same model, data, settings, ranks; alternated in one run.
 
-For each model (GPT on the stdlib corpus, CNN on sklearn digits), 2 gloo ranks hold one copy
-trained by each engine and alternate them *step by step* (ABBA order over pairs, so neither
+For each model (GPT on the stdlib corpus, CNN on sklearn digits), 2 gloo ranks hold two copies
+trained by each engine (built in ABBA order, since where a model's memory lands moves its step
+time by 1-3 %) and alternate the engines *step by step* (ABBA order over pairs, so neither
 engine always runs first); every step starts from a barrier and is timed alone. A pair is one
-step of each engine on the same batch; the report gives the median samples/s of each engine,
+step of each copy of each engine on the same batch (an engine's time: the mean of its two
+copies); the report gives the median samples/s of each engine,
 their ratio, the median of the per-pair ratios, and the main thread's CPU time per step (a
 figure that other load on the machine disturbs far less than wall time). Interleaving single
 steps, rather than segments of many, keeps slow drift of a shared machine (other processes,
@@ -61,24 +63,28 @@ def _rank(rank: int, world: int, name: str, pairs: int, warmup: int) -> dict:
     loss_fn = model_loss(name)
     dataset, _ = build_dataset(cfg)
     batches = ShardedBatches(dataset, cfg.batch_size, rank, world, cfg.seed)
-    engines = {}
-    for kind in ENGINES:
+    # Two copies of each engine, built in ABBA order: where a model's memory lands shifts
+    # its step time by 1-3 % (two identical DDP copies differ that much), so each engine's
+    # time for a pair is the mean of its two copies, one built early and one late.
+    copies: dict[str, list[tuple]] = {k: [] for k in ENGINES}
+    for kind in (*ENGINES, *ENGINES[::-1]):
         model = build_model_for(cfg)
         wrapped = DataParallel(model) if kind == "syncline" else DDP(model)
-        engines[kind] = (wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-3))
+        copies[kind].append((wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-3)))
     for step in range(warmup):
-        for wrapped, opt in engines.values():
-            _timed_step(wrapped, opt, loss_fn, batches.batch(step))
+        for pairs_of_kind in copies.values():
+            for wrapped, opt in pairs_of_kind:
+                _timed_step(wrapped, opt, loss_fn, batches.batch(step))
     wall: dict[str, list[float]] = {k: [] for k in ENGINES}
     cpu: dict[str, list[float]] = {k: [] for k in ENGINES}
     for i in range(pairs):
         batch = batches.batch(warmup + i)
         for kind in ENGINES if i % 2 == 0 else ENGINES[::-1]:
-            w, c = _timed_step(*engines[kind], loss_fn, batch)
-            wall[kind].append(w)
-            cpu[kind].append(c)
+            times = [_timed_step(*engine, loss_fn, batch) for engine in copies[kind]]
+            wall[kind].append(statistics.fmean(t[0] for t in times))
+            cpu[kind].append(statistics.fmean(t[1] for t in times))
     # collective path alone: syncline's bucketed buffer vs one raw allreduce of the same size
-    dp = engines["syncline"][0]
+    dp = copies["syncline"][0][0]
     nbytes = dp.bucket_plan.total_numel * 4
     raw = FlatAllreduce()
     buf = torch.randn(dp.bucket_plan.total_numel)

@@ -173,7 +173,7 @@ class DataParallel(nn.Module):
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)
         self._sync_this_backward = self._sync_enabled
-        self._attach_grads()
+        self._attach_grads(lazy=True)
         out = self.module(*args, **kwargs)
         if self.config.broadcast_buffers and self._world_size > 1:
             self._start_buffer_sync()
@@ -202,10 +202,19 @@ class DataParallel(nn.Module):
         if pending is not None:
             pending.wait()
 
-    def _attach_grads(self) -> None:
-        """Make every ``param.grad`` a view into the flat buffer (zeroed where it was None)."""
+    def _attach_grads(self, *, lazy: bool = False) -> None:
+        """Make every ``param.grad`` a view into the flat buffer (zeroed where it was None).
+
+        ``lazy`` (before a training forward): when every gradient is None (``zero_grad(
+        set_to_none=True)``), attach nothing. Autograd then hands each parameter a fresh
+        gradient, which the ready-hook copies into its view: one pass over the bytes instead
+        of zeroing the buffer and adding into it (measured ~1 % of a GPT step on CPU); a
+        parameter that gets no gradient is zeroed at the end of backward.
+        """
         grads = [p.grad for p in self._params]
         if all(g is None for g in grads):
+            if lazy:
+                return
             self._flat.zero_()
             for p, v in zip(self._params, self._views, strict=True):
                 p.grad = v
@@ -248,7 +257,7 @@ class DataParallel(nn.Module):
         view = self._views[i]
         g = p.grad
         if g is not None and g.data_ptr() != view.data_ptr():
-            view.copy_(g)  # grad was reset to None after forward: move it into the buffer
+            view.copy_(g)  # autograd made a fresh gradient (lazy attach): move it into the buffer
             p.grad = view
         self._used[i] = True
         if not self._sync_this_backward:
