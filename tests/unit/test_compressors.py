@@ -586,3 +586,13 @@ def test_invalid_arguments_name_the_value_and_range(make, message: str) -> None:
 def test_names() -> None:
     names = [c.name for c in (FP16(), BF16(), CSC(0.1), TopK(0.1), PowerSGD())]
     assert names == ["fp16", "bf16", "csc", "topk", "powersgd"]
+
+
+def test_public_compression_module_names_the_same_classes() -> None:
+    """``syncline.compression`` (the path users write) is the engine's compressors, not copies."""
+    import syncline.compression as public
+    from syncline.dp import compressors
+
+    for name in ("BF16", "CSC", "FP16", "PowerSGD", "TopK", "build_compressor"):
+        assert getattr(public, name) is getattr(compressors, name), name
+    assert public.build_compressor("fp16").name == "fp16"
