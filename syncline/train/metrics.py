@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,37 @@ class StepRecord:
     collectives: int
     exposed_comm_s: float
     elapsed_s: float
+
+
+def timed_record(
+    step: int,
+    loss: float,
+    lr: float,
+    *,
+    samples: int,
+    tokens_per_sample: int,
+    started: float,
+    run_started: float,
+    wire_bytes: int = 0,
+    collectives: int = 0,
+    exposed_comm_s: float = 0.0,
+) -> StepRecord:
+    """The record of a step that began at ``started`` (``time.perf_counter()``) and ends now;
+    both training loops (data parallel, pipeline) log through it, so the rates mean the same."""
+    now = time.perf_counter()
+    dt = now - started
+    return StepRecord(
+        step=step,
+        loss=loss,
+        lr=lr,
+        step_s=dt,
+        samples_per_s=samples / dt,
+        tokens_per_s=samples * tokens_per_sample / dt,
+        wire_bytes=wire_bytes,
+        collectives=collectives,
+        exposed_comm_s=exposed_comm_s,
+        elapsed_s=now - run_started,
+    )
 
 
 class MetricsLog:

@@ -37,7 +37,7 @@ from syncline.train.common import (
     make_optimizer,
     set_lr,
 )
-from syncline.train.metrics import MetricsLog, StepRecord, plot_loss, summarize
+from syncline.train.metrics import MetricsLog, plot_loss, summarize, timed_record
 from syncline.train.plots import plot_schedule
 from syncline.train.progress import Progress, human_bytes
 
@@ -119,18 +119,14 @@ def train_pipeline(cfg: TrainConfig, rank: int, world: int, device: torch.device
         if log is None or progress is None:
             continue
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
-            dt = time.perf_counter() - t0
-            record = StepRecord(
-                step=step,
-                loss=loss,
-                lr=lr,
-                step_s=dt,
-                samples_per_s=cfg.batch_size / dt,
-                tokens_per_s=cfg.batch_size * tokens_per_sample / dt,
-                wire_bytes=0,
-                collectives=0,
-                exposed_comm_s=0.0,
-                elapsed_s=time.perf_counter() - t_start,
+            record = timed_record(
+                step,
+                loss,
+                lr,
+                samples=cfg.batch_size,
+                tokens_per_sample=tokens_per_sample,
+                started=t0,
+                run_started=t_start,
             )
             log.append(record)
             progress.update(step, loss, record.samples_per_s, record.tokens_per_s, None)

@@ -30,7 +30,7 @@ from syncline.train.common import (
     make_optimizer,
     set_lr,
 )
-from syncline.train.metrics import MetricsLog, StepRecord, plot_loss, summarize
+from syncline.train.metrics import MetricsLog, plot_loss, summarize, timed_record
 from syncline.train.progress import Progress, human_bytes
 
 
@@ -82,19 +82,18 @@ def train(
             and (step % cfg.log_every == 0 or step == cfg.steps - 1)
         ):
             value = float(loss.item())
-            dt = time.perf_counter() - t0
             stats = dp.last_stats
-            record = StepRecord(
-                step=step,
-                loss=value,
-                lr=lr,
-                step_s=dt,
-                samples_per_s=cfg.batch_size / dt,
-                tokens_per_s=cfg.batch_size * tokens_per_sample / dt,
+            record = timed_record(
+                step,
+                value,
+                lr,
+                samples=cfg.batch_size,
+                tokens_per_sample=tokens_per_sample,
+                started=t0,
+                run_started=t_start,
                 wire_bytes=stats.wire_bytes,
                 collectives=stats.collectives,
                 exposed_comm_s=stats.exposed_comm_s,
-                elapsed_s=time.perf_counter() - t_start,
             )
             log.append(record)
             progress.update(
