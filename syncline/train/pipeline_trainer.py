@@ -91,6 +91,7 @@ def build_pipeline(
         compression=compressor,
         timeout_s=cfg.timeout_s,
         device=device,
+        track_memory=True,  # the run summary reports each stage's measured memory
     )
 
 

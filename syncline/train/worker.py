@@ -50,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
             train_pipeline(cfg, rank, world, device)
         else:
             train(cfg, rank, world, device, allreduce=allreduce)
+        # Leave together: a rank that tears its process groups down while a peer is still
+        # taking its last message (rank 0 gathers the stage weights and traces one rank at a
+        # time) was seen to abort inside gloo at exit ("terminate called without an active
+        # exception", 4-rank pipeline runs). Rank 0 arrives after writing the run directory.
+        comm.barrier(timeout_s=cfg.timeout_s, what="end-of-training barrier")
     finally:
         comm.destroy()
     return 0

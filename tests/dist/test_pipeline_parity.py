@@ -86,6 +86,7 @@ def _train_rank(rank: int, world: int) -> dict[str, dict]:
             recompute=recompute,
             balance=balance,
             timeout_s=30,
+            track_memory=True,
         )
         if name in IN_ORDER:
             pipe._links.early = False

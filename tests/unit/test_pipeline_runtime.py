@@ -156,7 +156,7 @@ def test_memory_stats_gpipe_1f1b_2bw_recompute() -> None:
     stats = {}
     for schedule in ("gpipe", "1f1b", "2bw"):
         for recompute in (False, True):
-            pipe = _pipe(schedule, recompute=recompute)
+            pipe = _pipe(schedule, recompute=recompute, track_memory=True)
             _train(pipe, data)
             stats[(schedule, recompute)] = pipe.memory_stats()[0]
     full = stats[("gpipe", False)].microbatch_activation_bytes
