@@ -232,12 +232,17 @@ def _finish(
     stages_of = {rank: sorted(r["memory"]) for rank, r in enumerate(gathered)}
     write_trace(timeline, run_dir / "trace.json", stages_of)
     first = max(0, cfg.steps - TRACE_STEPS)
+    width = cfg.pipeline_replicas
+    replicas = f" (replica 0 of {width})" if width > 1 else ""
     title = (
         f"{cfg.schedule}{' + recompute' if cfg.recompute else ''}: {cfg.virtual_stages} stages "
-        f"on {cfg.pipeline_stages} ranks, m={cfg.microbatches}, steps {first}-{cfg.steps - 1} "
-        "(measured)"
+        f"on {cfg.pipeline_stages} ranks{replicas}, m={cfg.microbatches}, steps "
+        f"{first}-{cfg.steps - 1} (measured)"
     )
-    plot_schedule(timeline, run_dir / "schedule.png", title)
+    # one pipeline per chart: the replicas run the same schedule and would overlap in a row
+    # (trace.json keeps every rank); replica 0 holds global ranks stage * width
+    replica0 = {r: evs for r, evs in timeline.events.items() if r % width == 0}
+    plot_schedule(Timeline(timeline.name, replica0), run_dir / "schedule.png", title)
     plot_loss(
         log.records,
         run_dir / "loss.png",
