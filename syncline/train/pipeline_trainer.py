@@ -133,7 +133,7 @@ def train_pipeline(cfg: TrainConfig, rank: int, world: int, device: torch.device
             progress.update(step, loss, record.samples_per_s, record.tokens_per_s, None)
     pipe.flush()
     gathered = comm.gather_objects(
-        _rank_results(pipe, trace_from),
+        _rank_results(pipe, trace_from, weights=rank % replicas == 0),
         what="gather of stage weights and traces",
         timeout_s=cfg.timeout_s,
         device=device if device.type == "cuda" else None,
@@ -144,14 +144,16 @@ def train_pipeline(cfg: TrainConfig, rank: int, world: int, device: torch.device
     return _finish(cfg, model, gathered, log, world)
 
 
-def _rank_results(pipe: Pipeline, trace_from: float) -> dict[str, Any]:
-    """What rank 0 needs from this rank: weights, optimizer states, memory, and the actions
-    run from ``trace_from`` on (``perf_counter`` time: every action of the last calls,
-    whatever batch it belongs to, so that 2BW's overlap and the final flush are seen)."""
+def _rank_results(pipe: Pipeline, trace_from: float, *, weights: bool) -> dict[str, Any]:
+    """What rank 0 needs from this rank: weights and optimizer states (``weights``: only
+    replica 0 sends them, the other replicas hold the same), memory, and the actions run
+    from ``trace_from`` on (``perf_counter`` time: every action of the last calls, whatever
+    batch it belongs to, so that 2BW's overlap and the final flush are seen)."""
     events = [e for evs in pipe.trace(origin=0.0).events.values() for e in evs]
-    optimizers = zip(pipe.stages, pipe.optimizers, strict=True)
+    optimizers = zip(pipe.stages, pipe.optimizers, strict=True) if weights else ()
+    state = pipe.local_state_dict() if weights else {}
     return {
-        "state": {k: v.cpu() for k, v in pipe.local_state_dict().items()},
+        "state": {k: v.cpu() for k, v in state.items()},
         "optimizers": {s: o.state_dict() for s, o in optimizers},
         "memory": {s: asdict(m) for s, m in pipe.memory_stats().items()},
         "balance": pipe.balance,
