@@ -27,11 +27,18 @@ class BucketRef:
     for compressors whose algorithm is defined per tensor (PowerSGD views each weight as a
     matrix). The engine always fills it in; it is empty when a caller reduces a bare buffer,
     and compressors that work on the flat buffer ignore it.
+
+    ``prescaled`` says the bucket already holds this rank's share (gradient / world size), so
+    a plain sum finishes the average. The engine sets it only for compressors whose class
+    declares ``accepts_prescaled = True``: it then fuses the division into the copy that
+    moves autograd's gradient into the buffer (one pass over the bytes instead of two, as DDP
+    does), and compressors that scale differently (after packing, per factor) never see it.
     """
 
     index: int
     step: int
     layout: Layout = ()
+    prescaled: bool = False
 
 
 class Compressor(Protocol):
@@ -47,12 +54,13 @@ class Compressor(Protocol):
 
 
 class NoCompression:
-    """Full-precision allreduce: divide by the world size, then sum in place."""
+    """Full-precision allreduce: divide by the world size (unless prescaled), then sum in place."""
 
     name = "none"
+    accepts_prescaled = True
 
     def reduce(self, bucket: BucketRef, grad: torch.Tensor, comm: Collective) -> Pending:
-        if comm.world_size > 1:
+        if comm.world_size > 1 and not bucket.prescaled:
             grad.div_(comm.world_size)
         return comm.allreduce(grad, f"allreduce of bucket {bucket.index} at step {bucket.step}")
 

@@ -2,21 +2,25 @@
 
 How a step runs (GradientFlow's lazy allreduce, Sun et al. 2019; DDP's reducer, Li et al. 2020):
 
-    forward    attach each ``param.grad`` as a view into one flat buffer (zeroed once)
-    backward   autograd accumulates straight into the buffer; a hook marks each parameter
-               ready; when every parameter of the next bucket is ready, that bucket is handed
-               to the compressor, which starts an asynchronous collective
+    forward    gradients set to None (``zero_grad()``): nothing to do; gradients kept (no_sync
+               accumulation): each ``param.grad`` becomes a view into one flat buffer
+    backward   a hook per parameter moves autograd's fresh gradient into its place in the
+               buffer, divided by the world size on the way (or, for a view, divides in
+               place), and marks it ready; when every parameter of the next bucket is ready,
+               that bucket is handed to the compressor, which starts an asynchronous collective
     end        an autograd callback flushes the remaining buckets and waits only for what is
-               still in flight; the buffer then holds the rank-averaged gradients
+               still in flight; the buffer, which every ``param.grad`` now views, holds the
+               rank-averaged gradients
 
-Because ``param.grad`` *is* the buffer, nothing is copied into or out of buckets (DDP copies
-both ways by default). The bucket plan is pure data (:mod:`syncline.dp.buckets`); the
+Each gradient byte is written into the buffer once and never copied back (DDP copies into
+its buckets and back out by default). The bucket plan is pure data (:mod:`syncline.dp.buckets`); the
 compressor and the collective algorithm are strategies, so fp16/sparse compression and
 hierarchical allreduce plug in without touching the hooks.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -126,6 +130,7 @@ class DataParallel(nn.Module):
             for i, p in enumerate(self._params)
         ]
         self._world_size = comm.group_size(process_group)
+        self._scale = 0  # divide gradients by this in the hooks (0: the compressor divides)
         self._buffer_sync: Pending | None = None
         self._sync_enabled = True
         self._sync_this_backward = True
@@ -173,11 +178,23 @@ class DataParallel(nn.Module):
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)
         self._sync_this_backward = self._sync_enabled
+        self._scale = self._hook_scale()
         self._attach_grads(lazy=True)
         out = self.module(*args, **kwargs)
         if self.config.broadcast_buffers and self._world_size > 1:
             self._start_buffer_sync()
         return out
+
+    def _hook_scale(self) -> int:
+        """The world size when the hooks should divide the gradients (0: the compressor does).
+
+        Only for a synchronised backward whose compressor declares ``accepts_prescaled``: the
+        division is then fused into the copy from autograd's gradient into the buffer.
+        """
+        if not self._sync_this_backward or self._world_size == 1:
+            return 0
+        compressor = self._compressor if self._steps_synced > 0 else self._dense
+        return self._world_size if getattr(compressor, "accepts_prescaled", False) else 0
 
     def _start_buffer_sync(self) -> None:
         """Send rank 0's buffers (as they are after this forward) to all, off the critical path.
@@ -248,16 +265,23 @@ class DataParallel(nn.Module):
         self._order_seen: list[int] = []
 
     def _make_hook(self, i: int) -> Any:
-        def hook(p: torch.Tensor) -> None:
-            self._on_grad_ready(i, p)
-
-        return hook
+        # a partial, not a closure: one Python frame less on a path taken per parameter per step
+        return functools.partial(self._on_grad_ready, i)
 
     def _on_grad_ready(self, i: int, p: torch.Tensor) -> None:
         view = self._views[i]
         g = p.grad
-        if g is not None and g.data_ptr() != view.data_ptr():
-            view.copy_(g)  # autograd made a fresh gradient (lazy attach): move it into the buffer
+        scale = self._scale
+        if g is view or (g is not None and g.data_ptr() == view.data_ptr()):
+            if scale:  # accumulated in place (eager attach, or after no_sync steps)
+                view.div_(scale)
+        elif g is not None:
+            # autograd made a fresh gradient (lazy attach): move it into the buffer, dividing
+            # on the way when the compressor takes prescaled buckets (one pass, not two)
+            if scale:
+                torch.div(g, scale, out=view)
+            else:
+                view.copy_(g)
             p.grad = view
         self._used[i] = True
         if not self._sync_this_backward:
@@ -282,7 +306,9 @@ class DataParallel(nn.Module):
         while self._next_bucket < len(buckets) and self._remaining[self._next_bucket] == 0:
             b = buckets[self._next_bucket]
             compressor = self._compressor if self._steps_synced > 0 else self._dense
-            ref = BucketRef(b.index, self._steps_synced, self._layouts[b.index])
+            ref = BucketRef(
+                b.index, self._steps_synced, self._layouts[b.index], prescaled=self._scale > 0
+            )
             self._pending.append(compressor.reduce(ref, self._flat[b.start : b.end], self._comm))
             self._next_bucket += 1
 
@@ -324,6 +350,8 @@ class DataParallel(nn.Module):
             if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                 view.zero_()
                 p.grad = view
+            elif self._scale:  # kept from no_sync steps: this rank's share, as for the rest
+                view.div_(self._scale)
             self._ready[i] = True
             self._remaining[self._plan.bucket_of[i]] -= 1
         self._launch_ready_buckets()
