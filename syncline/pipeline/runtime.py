@@ -165,6 +165,7 @@ class Pipeline:
             self._plan.schedule,
             num_microbatches,
             early=comm.backend_name(process_group) == "gloo",
+            signature=self._signature,
         )
         self._events: deque[Event] = deque(maxlen=200_000)
         self._broken: str | None = None
@@ -448,6 +449,12 @@ class Pipeline:
         return float(value.item())
 
     # -- action handlers -----------------------------------------------------------------------
+
+    def _signature(self, a: Action) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of the micro-batch input behind ``a`` (known on every rank)."""
+        assert a.batch is not None and a.microbatch is not None
+        x = self._batches[a.batch].inputs[a.microbatch]
+        return tuple(x.shape), x.dtype
 
     def _recv(self, a: Action) -> None:
         assert a.batch is not None and a.microbatch is not None
