@@ -20,9 +20,15 @@ polled between actions), and a SEND_F posts the buffer of the gradient that will
 NCCL matches messages in posting order, not by tag, so with any backend but gloo every
 receive is posted when its RECV runs.
 
+The batch loss goes from the last stage to every other rank as one small message each
+(:meth:`Links.send_loss`); with gloo its receive is posted when the call starts, so the
+value lands while this rank still computes and the call's end does not wait a round trip
+for it (a broadcast is posted only when every rank reaches it).
+
 Tags are ``(batch mod 4, direction, edge, micro-batch)`` above ``TAG_BASE``: unique among
 the messages in flight (2BW overlaps two batches at most) and apart from the small tags
-(often 0) other users of the group send with.
+(often 0) other users of the group send with; the loss takes ``LOSS_TAG + batch mod 4``,
+just below them.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ from syncline.schedule import Action, ActionKind, Schedule
 
 K = ActionKind
 TAG_BASE = 1 << 24
+LOSS_TAG = TAG_BASE - 4
+_LOSS_LIKE = ((1,), torch.float64)
 Like = tuple[tuple[int, ...], torch.dtype]
 #: shape and dtype of the micro-batch input (stage 0's) that an activation was computed from
 Signature = tuple[tuple[int, ...], torch.dtype]
@@ -117,6 +125,7 @@ class Links:
         self._signature = signature
         self.shapes = ShapeBook()
         self._posted: dict[tuple[ActionKind, int, int, int], Receive] = {}
+        self._loss_posted: dict[int, Receive] = {}
         self._grad_like: dict[tuple[int, int, int], Like] = {}
         self._sends: deque[tuple[int, Pending]] = deque()
 
@@ -194,6 +203,33 @@ class Links:
                 self._post(Action(a.stage, K.RECV_B, a.microbatch, batch=a.batch), like)
             else:
                 self._grad_like[(a.stage, a.batch, a.microbatch)] = like
+
+    def expect_loss(self, batch: int, src: int) -> None:
+        """Post the receive of ``batch``'s loss from the last stage's rank ``src`` (gloo)."""
+        if self.early and batch not in self._loss_posted:
+            self._loss_posted[batch] = self._p2p.expect(
+                src, tag=LOSS_TAG + batch % 4, what=f"loss of step {batch}", like=_LOSS_LIKE
+            )
+
+    def send_loss(self, value: torch.Tensor, batch: int, call: int) -> None:
+        """Send ``batch``'s loss (a float64 ``[1]``) from the last stage to every other rank."""
+        for dst in range(self._schedule.num_ranks):
+            if dst != self._p2p.rank:
+                what = f"loss of step {batch} to rank {dst}"
+                pending = self._p2p.send(
+                    value, dst, tag=LOSS_TAG + batch % 4, what=what, header=False
+                )
+                self.hold(call, pending)
+
+    def recv_loss(self, batch: int, src: int) -> torch.Tensor:
+        """``batch``'s loss from rank ``src``; blocks, with the p2p layer's timeout."""
+        return self._p2p.recv(
+            src,
+            tag=LOSS_TAG + batch % 4,
+            what=f"loss of step {batch} from rank {src}",
+            like=_LOSS_LIKE,
+            expected=self._loss_posted.pop(batch, None),
+        )
 
     def hold(self, call: int, pending: Pending) -> None:
         """Keep an operation started in ``call`` until :meth:`wait_sends` finishes it."""

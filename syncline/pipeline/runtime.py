@@ -398,6 +398,8 @@ class Pipeline:
         self._call += 1
         try:
             self._links.expect_call(actions)
+            if self._d - 1 not in self._stages:
+                self._links.expect_loss(current.index, self._last_rank)
         except CommError as exc:
             self._broken = str(exc)
             raise
@@ -427,25 +429,16 @@ class Pipeline:
 
     def _broadcast_loss(self, batch: int) -> float:
         """Every rank gets the batch loss from the last stage. The last stage does not wait
-        for the others to take it (its broadcast completes during its next call), so it
-        can go on with the next batch while the first stage finishes this one."""
-        value = torch.zeros(1, dtype=torch.float64, device=self._device)
+        for the others to take it (its sends complete during its next call), so it can go
+        on with the next batch while the first stage finishes this one; the others posted
+        the receive when the call began (:meth:`Links.expect_loss`)."""
         last = self._stages.get(self._d - 1)
-        if last is not None:
-            value.fill_(last.pop_loss(batch))
-            if self._replicas is not None:
-                self._replicas.average_loss(value, batch)
-        pending = comm.broadcast_tensors_async(
-            [value],
-            src=self._last_rank,
-            group=self._group,
-            what=f"loss broadcast of step {batch}",
-            timeout_s=self._timeout_s,
-        )
-        if last is not None:
-            self._links.hold(self._call, pending)
-            return float(value.item())
-        pending.wait()
+        if last is None:
+            return float(self._links.recv_loss(batch, self._last_rank).item())
+        value = torch.tensor([last.pop_loss(batch)], dtype=torch.float64, device=self._device)
+        if self._replicas is not None:
+            self._replicas.average_loss(value, batch)
+        self._links.send_loss(value, batch, self._call)
         return float(value.item())
 
     # -- action handlers -----------------------------------------------------------------------
