@@ -131,6 +131,7 @@ class DataParallel(nn.Module):
         ]
         self._world_size = comm.group_size(process_group)
         self._scale = 0  # divide gradients by this in the hooks (0: the compressor divides)
+        self._spent: list[torch.Tensor] = []  # autograd's gradients, moved; freed at forward
         self._buffer_sync: Pending | None = None
         self._sync_enabled = True
         self._sync_this_backward = True
@@ -174,6 +175,13 @@ class DataParallel(nn.Module):
 
     # -- forward ------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # Autograd's own gradient tensors, already copied into the buffer, are freed here
+        # and not in the hooks: freed mid-backward, their memory went back to the allocator
+        # while backward still allocated, and the model ran measurably slower (forward ~3 %
+        # more CPU on the default GPT, with page faults in backward); freed now, right before
+        # forward allocates, their memory is reused warm, as with DDP, whose gradients live
+        # until zero_grad. The peak is DDP's too: one gradient-sized set beside the buffer.
+        self._spent.clear()
         self.finish_buffer_sync()
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)
@@ -283,6 +291,7 @@ class DataParallel(nn.Module):
             else:
                 view.copy_(g)
             p.grad = view
+            self._spent.append(g)
         self._used[i] = True
         if not self._sync_this_backward:
             return
