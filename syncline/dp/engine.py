@@ -307,8 +307,10 @@ class DataParallel(nn.Module):
         self._ready[i] = True
         if self._steps_synced == 0 and self.config.rebuild_buckets:
             self._order_seen.append(i)  # only the first step's order is ever used
-        self._remaining[self._plan.bucket_of[i]] -= 1
-        self._launch_ready_buckets()
+        b = self._plan.bucket_of[i]
+        self._remaining[b] -= 1
+        if self._remaining[b] == 0:  # buckets launch in order: only a full one can start any
+            self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
         buckets = self._plan.buckets
