@@ -158,3 +158,50 @@ def test_bad_inputs_fail_on_every_rank_and_a_stall_times_out() -> None:
         in (stalled["stall"])
     )
     assert stalled["stall_s"] < 3.5
+
+
+class ShrinkAfter(nn.Module):
+    """Identity for ``calls`` forwards, then drops a row: an output shape that does not
+    follow from the input's shape (as a data-dependent one would not)."""
+
+    def __init__(self, calls: int) -> None:
+        super().__init__()
+        self.calls, self.seen = calls, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += 1
+        return x if self.seen <= self.calls else x[:-1]
+
+
+def _shape_change_rank(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    # m=2, micro-batches of 2 rows: steps 0 and 1 send (2, 8); step 2 would send (1, 8)
+    model = nn.Sequential(nn.Linear(4, 8), ShrinkAfter(calls=4), nn.Linear(8, 3))
+    pipe = Pipeline(
+        model,
+        num_stages=2,
+        num_microbatches=2,
+        schedule="1f1b",
+        loss_fn=nn.functional.cross_entropy,
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+        balance=[2, 1],
+        timeout_s=3.0,
+    )
+    batches = iter(_data(3))
+    out: dict = {"losses": [pipe.train_step(batches) for _ in range(2)]}
+    try:
+        pipe.train_step(batches)
+    except (StageError, CommError) as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def test_an_output_shape_that_changes_for_the_same_input_shape_fails_clearly() -> None:
+    results = run_ranks(_shape_change_rank, 2, timeout_s=60)
+    sender = results[0]["error"]
+    assert sender.startswith("StageError: rank 0 (stage 0): SEND_F mb 0 of step 2"), sender
+    assert "stage 0 output [1, 8] float32 for micro-batch inputs [2, 4] float32" in sender
+    assert "must follow from the shape of the micro-batch inputs" in sender
+    receiver = results[1]["error"]  # waited for the message that never came: named, no hang
+    assert receiver.startswith("CommError: rank 1: ") and "of step 2" in receiver, receiver
+    assert all(r["losses"] == results[0]["losses"] for r in results)
