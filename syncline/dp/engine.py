@@ -55,9 +55,13 @@ class DataParallel(nn.Module):
     Args:
         module: the model; its parameters and buffers are broadcast from rank 0 here, as DDP
             does, so all replicas start identical.
-        device_ids, output_device, dim, check_reduction, gradient_as_bucket_view,
-            static_graph: accepted for DDP compatibility; on CPU the device arguments are
-            ignored and gradients are always bucket views.
+        device_ids, output_device, dim, check_reduction, static_graph: accepted for DDP
+            compatibility; on CPU the device arguments are ignored.
+        gradient_as_bucket_view: gradients are always views into the flat buffer; this
+            chooses the memory, as in DDP. ``False`` (DDP's default): autograd's own gradient
+            tensors, once copied into the buffer, are kept until the next forward (one extra
+            gradient-sized set, like DDP's gradients beside its buckets; faster, see
+            :meth:`forward`). ``True``: they are freed at once (DDP's lean mode).
         broadcast_buffers, process_group, bucket_cap_mb, find_unused_parameters: as in DDP.
         first_bucket_cap_mb, rebuild_buckets, timeout_s: see :class:`DataParallelConfig`.
         compression: a :class:`~syncline.dp.compression.Compressor` (default: lossless).
@@ -83,7 +87,7 @@ class DataParallel(nn.Module):
         bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
         check_reduction: bool = False,
-        gradient_as_bucket_view: bool = True,
+        gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
         *,
         first_bucket_cap_mb: float | None = None,
@@ -93,7 +97,7 @@ class DataParallel(nn.Module):
         allreduce: str | Collective = "flat",
     ) -> None:
         super().__init__()
-        del device_ids, output_device, dim, check_reduction, gradient_as_bucket_view, static_graph
+        del device_ids, output_device, dim, check_reduction, static_graph
         self.config = DataParallelConfig(
             bucket_cap_mb=25.0 if bucket_cap_mb is None else bucket_cap_mb,
             first_bucket_cap_mb=first_bucket_cap_mb,
@@ -132,6 +136,7 @@ class DataParallel(nn.Module):
         self._world_size = comm.group_size(process_group)
         self._scale = 0  # divide gradients by this in the hooks (0: the compressor divides)
         self._spent: list[torch.Tensor] = []  # autograd's gradients, moved; freed at forward
+        self._keep_spent = not gradient_as_bucket_view
         self._buffer_sync: Pending | None = None
         self._sync_enabled = True
         self._sync_this_backward = True
@@ -291,7 +296,8 @@ class DataParallel(nn.Module):
             else:
                 view.copy_(g)
             p.grad = view
-            self._spent.append(g)
+            if self._keep_spent:
+                self._spent.append(g)
         self._used[i] = True
         if not self._sync_this_backward:
             return

@@ -21,9 +21,15 @@ CASES = ("frozen", "tied", "unused", "bn")
 
 def _wrap(kind: str, model: torch.nn.Module, name: str) -> torch.nn.Module:
     unused = name == "unused"
-    if kind == "syncline":
-        # a tiny bucket cap forces several buckets, so ordering and flushing are exercised
-        return DataParallel(model, find_unused_parameters=unused, bucket_cap_mb=0.0005)
+    if kind.startswith("syncline"):
+        # a tiny bucket cap forces several buckets, so ordering and flushing are exercised;
+        # "syncline-lean" frees autograd's gradients at once instead of at the next forward
+        return DataParallel(
+            model,
+            find_unused_parameters=unused,
+            bucket_cap_mb=0.0005,
+            gradient_as_bucket_view=kind == "syncline-lean",
+        )
     return DDP(model, find_unused_parameters=unused, bucket_cap_mb=0.0005)
 
 
@@ -88,6 +94,7 @@ def results() -> dict[tuple[str, int, int], list[dict]]:
         ("ddp", 2, 1),
         ("syncline", 4, 1),
         ("syncline", 2, 2),
+        ("syncline-lean", 2, 2),
     ]:
         runs[(kind, world, accumulate)] = run_ranks(_train_rank, world, kind, accumulate)
     return runs
@@ -102,7 +109,14 @@ def _assert_state_equal(got: dict, want: dict, buffers_too: bool) -> None:
 
 @pytest.mark.parametrize("name", CASES)
 @pytest.mark.parametrize(
-    "run", [("syncline", 2, 1), ("ddp", 2, 1), ("syncline", 4, 1), ("syncline", 2, 2)]
+    "run",
+    [
+        ("syncline", 2, 1),
+        ("ddp", 2, 1),
+        ("syncline", 4, 1),
+        ("syncline", 2, 2),
+        ("syncline-lean", 2, 2),
+    ],
 )
 def test_matches_single_process(results, run, name) -> None:
     _kind, world, accumulate = run
