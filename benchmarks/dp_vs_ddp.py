@@ -13,6 +13,12 @@ frequency changes) out of the ratio. Separately, the gradient buffer's bucketed 
 through syncline is timed against one raw gloo allreduce of a buffer of the same size (the
 limit), as bus bandwidth: busbw = n/T * 2(p-1)/p.
 
+A second, shared-module A/B (``same_module`` in the JSON) takes placement out altogether:
+one model and one optimizer, wrapped by both DDP and syncline, the engines taking turns step
+by step (ABBA). syncline's hooks are removed for DDP's steps; DDP's stay registered during
+syncline's (they return at once when DDP's own forward did not run), which if anything
+favours DDP.
+
     python benchmarks/dp_vs_ddp.py --pairs 200 --out benchmarks/results/dp_vs_ddp.json
 """
 
@@ -106,23 +112,56 @@ def _rank(rank: int, world: int, name: str, pairs: int, warmup: int) -> dict:
     }
 
 
-def run(name: str, pairs: int, warmup: int, world: int) -> dict:
-    res = run_ranks(_rank, world, name, pairs, warmup, timeout_s=3600, comm_timeout_s=300)[0]
+def _rank_shared(rank: int, world: int, name: str, pairs: int, warmup: int) -> dict:
+    cfg = MODELS[name]
+    loss_fn = model_loss(name)
+    dataset, _ = build_dataset(cfg)
+    batches = ShardedBatches(dataset, cfg.batch_size, rank, world, cfg.seed)
+    model = build_model_for(cfg)
+    engines = {"ddp": DDP(model), "syncline": DataParallel(model)}
+    ours = engines["syncline"]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    wall: dict[str, list[float]] = {k: [] for k in ENGINES}
+    cpu: dict[str, list[float]] = {k: [] for k in ENGINES}
+    for i in range(warmup + pairs):
+        for kind in ENGINES if i % 2 == 0 else ENGINES[::-1]:
+            if kind == "syncline":
+                ours.install_hooks()
+            else:
+                ours.remove_hooks()
+            t = _timed_step(engines[kind], opt, loss_fn, batches.batch(i))
+            if i >= warmup:
+                wall[kind].append(t[0])
+                cpu[kind].append(t[1])
+    return {"wall": wall, "cpu": cpu, "batch_size": cfg.batch_size}
+
+
+def _summary(res: dict) -> dict:
     sps = {k: [res["batch_size"] / t for t in v] for k, v in res["wall"].items()}
     ratios = [a / b for a, b in zip(sps["syncline"], sps["ddp"], strict=True)]
-    cpu_ms = {k: 1e3 * statistics.median(v) for k, v in res["cpu"].items()}
     return {
-        "model": name,
-        "world_size": world,
-        "pairs": pairs,
-        "global_batch": res["batch_size"],
         "syncline_samples_per_s": statistics.median(sps["syncline"]),
         "ddp_samples_per_s": statistics.median(sps["ddp"]),
         "ratio_of_medians": statistics.median(sps["syncline"]) / statistics.median(sps["ddp"]),
         "median_pair_ratio": statistics.median(ratios),
         "pair_ratio_quartiles": statistics.quantiles(ratios, n=4),
-        "syncline_cpu_ms_per_step": cpu_ms["syncline"],
-        "ddp_cpu_ms_per_step": cpu_ms["ddp"],
+        "syncline_cpu_ms_per_step": 1e3 * statistics.median(res["cpu"]["syncline"]),
+        "ddp_cpu_ms_per_step": 1e3 * statistics.median(res["cpu"]["ddp"]),
+    }
+
+
+def run(name: str, pairs: int, warmup: int, world: int) -> dict:
+    res = run_ranks(_rank, world, name, pairs, warmup, timeout_s=3600, comm_timeout_s=300)[0]
+    shared = run_ranks(
+        _rank_shared, world, name, pairs, warmup, timeout_s=3600, comm_timeout_s=300
+    )[0]
+    return {
+        "model": name,
+        "world_size": world,
+        "pairs": pairs,
+        "global_batch": res["batch_size"],
+        **_summary(res),
+        "same_module": _summary(shared),
         "grad_bytes": res["grad_bytes"],
         "buckets": res["buckets"],
         "bucketed_allreduce_busbw_GBps": _busbw(
@@ -155,7 +194,8 @@ def main() -> int:
             f"{r['ddp_samples_per_s']:.1f} samples/s -> ratio {r['ratio_of_medians']:.3f} "
             f"(median pair ratio {r['median_pair_ratio']:.3f}); CPU/step "
             f"{r['syncline_cpu_ms_per_step']:.1f} vs {r['ddp_cpu_ms_per_step']:.1f} ms; "
-            f"allreduce busbw "
+            f"same module: ratio {r['same_module']['ratio_of_medians']:.3f} (median pair "
+            f"ratio {r['same_module']['median_pair_ratio']:.3f}); allreduce busbw "
             f"{r['bucketed_allreduce_busbw_GBps']:.2f} vs raw "
             f"{r['raw_allreduce_busbw_GBps']:.2f} GB/s"
         )

@@ -129,10 +129,8 @@ class DataParallel(nn.Module):
         )
         order = list(reversed(range(len(self._params))))  # backward runs roughly in reverse
         self._install_plan(order)
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(self._make_hook(i))
-            for i, p in enumerate(self._params)
-        ]
+        self._hooks: list[Any] = []
+        self.install_hooks()
         self._world_size = comm.group_size(process_group)
         self._scale = 0  # divide gradients by this in the hooks (0: the compressor divides)
         self._spent: list[torch.Tensor] = []  # autograd's gradients, moved; freed at forward
@@ -434,6 +432,15 @@ class DataParallel(nn.Module):
             self._install_plan(order, keep_grads=True)
         self._steps_synced = int(state["steps_synced"])
         self._compressor.load_state_dict(state["state"])
+
+    def install_hooks(self) -> None:
+        """Attach the ready-hooks to the parameters (done at construction; again after
+        :meth:`remove_hooks`). Idempotent."""
+        if not self._hooks:
+            self._hooks = [
+                p.register_post_accumulate_grad_hook(self._make_hook(i))
+                for i, p in enumerate(self._params)
+            ]
 
     def remove_hooks(self) -> None:
         """Detach from the module's parameters (e.g. before wrapping it again)."""
