@@ -9,9 +9,9 @@ batches later on both send and receive the bare payload. One message instead of 
 the receiver can post the payload buffer at once, while with a header it can post it only
 after the header is in, which on a busy rank is the next action boundary (measured, steps
 interleaved from a barrier: removing the headers took syncline's 1F1B from about 6 % behind
-torch's Schedule1F1B, which sends none, to about 3 % ahead of it). A shorter last batch or another sequence length is a new signature, so it
-goes with headers again; a stage whose output shape depends on the data itself is refused
-with a clear error.
+torch's Schedule1F1B, which sends none, to about 3 % ahead of it). A shorter last batch
+or another sequence length is a new signature, so it goes with headers again; a stage whose
+output shape depends on the data itself is refused with a clear error.
 
 Receives are posted early, because gloo moves a message only into a posted buffer (a late
 receive pays the whole transfer): a call posts its activations at its start (the payload
