@@ -19,17 +19,33 @@ by step (ABBA). syncline's hooks are removed for DDP's steps; DDP's stay registe
 syncline's (they return at once when DDP's own forward did not run), which if anything
 favours DDP.
 
+Both engines run at their defaults: DDP's buckets (1 MiB, then 25 MiB), and syncline's
+measured bucket plan (``DataParallel``'s autotuning tries a few plans during the first ~40
+steps and keeps the fastest, see :mod:`syncline.dp.tuning`). Warm-up lasts until that choice
+is made, for both engines alike, and the JSON records what was measured and chosen.
+
+``--rate 400mbit`` runs the same A/Bs across an emulated cluster network instead of the
+loopback: one rank per network namespace, the two joined by links capped by ``tc tbf``
+(:class:`syncline.launch.netns.EmulatedNetwork`; needs root, deleted at the end). Results go
+under ``emulated`` in the JSON, next to the loopback ones.
+
     python benchmarks/dp_vs_ddp.py --pairs 200 --out benchmarks/results/dp_vs_ddp.json
+    sudo .venv/bin/python benchmarks/dp_vs_ddp.py --rate 400mbit --pairs 60
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -72,15 +88,18 @@ def _rank(rank: int, world: int, name: str, pairs: int, warmup: int) -> dict:
     # Two copies of each engine, built in ABBA order: where a model's memory lands shifts
     # its step time by 1-3 % (two identical DDP copies differ that much), so each engine's
     # time for a pair is the mean of its two copies, one built early and one late.
-    copies: dict[str, list[tuple]] = {k: [] for k in ENGINES}
+    copies: dict[str, list[tuple[Any, Any]]] = {k: [] for k in ENGINES}
     for kind in (*ENGINES, *ENGINES[::-1]):
         model = build_model_for(cfg)
         wrapped = DataParallel(model) if kind == "syncline" else DDP(model)
         copies[kind].append((wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-3)))
-    for step in range(warmup):
+    step = 0  # warm up, and until syncline's bucket tuning has chosen (same step on all ranks)
+    while step < warmup or any(w.tuning_pending for w, _ in copies["syncline"]):
         for pairs_of_kind in copies.values():
             for wrapped, opt in pairs_of_kind:
                 _timed_step(wrapped, opt, loss_fn, batches.batch(step))
+        step += 1
+    warmup = step
     wall: dict[str, list[float]] = {k: [] for k in ENGINES}
     cpu: dict[str, list[float]] = {k: [] for k in ENGINES}
     for i in range(pairs):
@@ -105,6 +124,8 @@ def _rank(rank: int, world: int, name: str, pairs: int, warmup: int) -> dict:
         "wall": wall,
         "cpu": cpu,
         "batch_size": cfg.batch_size,
+        "warmup_steps": warmup,
+        "bucket_tuning": [w.bucket_tuning for w, _ in copies["syncline"]],
         "grad_bytes": nbytes,
         "buckets": len(dp.bucket_plan.buckets),
         "bucketed_allreduce_s": statistics.median(ours),
@@ -123,16 +144,20 @@ def _rank_shared(rank: int, world: int, name: str, pairs: int, warmup: int) -> d
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     wall: dict[str, list[float]] = {k: [] for k in ENGINES}
     cpu: dict[str, list[float]] = {k: [] for k in ENGINES}
-    for i in range(warmup + pairs):
+    i = measured = 0
+    while measured < pairs:
+        timing = i >= warmup and not ours.tuning_pending
         for kind in ENGINES if i % 2 == 0 else ENGINES[::-1]:
             if kind == "syncline":
                 ours.install_hooks()
             else:
                 ours.remove_hooks()
             t = _timed_step(engines[kind], opt, loss_fn, batches.batch(i))
-            if i >= warmup:
+            if timing:
                 wall[kind].append(t[0])
                 cpu[kind].append(t[1])
+        measured += timing
+        i += 1
     return {"wall": wall, "cpu": cpu, "batch_size": cfg.batch_size}
 
 
@@ -150,11 +175,68 @@ def _summary(res: dict) -> dict:
     }
 
 
-def run(name: str, pairs: int, warmup: int, world: int) -> dict:
-    res = run_ranks(_rank, world, name, pairs, warmup, timeout_s=3600, comm_timeout_s=300)[0]
-    shared = run_ranks(
-        _rank_shared, world, name, pairs, warmup, timeout_s=3600, comm_timeout_s=300
-    )[0]
+RankFn = Callable[..., dict]
+
+
+def _run_loopback(fn: RankFn, world: int, *args: Any) -> dict:
+    return run_ranks(fn, world, *args, timeout_s=3600, comm_timeout_s=300)[0]
+
+
+def _worker(cfg_json: str) -> int:
+    """One rank inside its network namespace (``--worker JSON``): rendezvous, run, report."""
+    cfg = json.loads(cfg_json)
+    torch.set_num_threads(1)
+    comm.init_with_file_store(cfg["store"], cfg["rank"], cfg["world"], timeout_s=300)
+    try:
+        fn = {"_rank": _rank, "_rank_shared": _rank_shared}[cfg["fn"]]
+        result = fn(cfg["rank"], cfg["world"], *cfg["args"])
+        if cfg["rank"] == 0:
+            Path(cfg["result"]).write_text(json.dumps(result))
+    finally:
+        comm.destroy()
+    return 0
+
+
+def _run_emulated(net: Any, fn: RankFn, world: int, *args: Any) -> dict:
+    """Run ``fn`` with one rank per host of ``net``; gloo crosses the rate-limited links."""
+    from syncline.launch.netns import HOST_IFNAME
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": HOST_IFNAME,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
+    }
+    with tempfile.TemporaryDirectory(prefix="dp_vs_ddp-") as tmp:
+        result = Path(tmp) / "result.json"
+        procs = []
+        for r in range(world):
+            cfg = {
+                "fn": fn.__name__,
+                "rank": r,
+                "world": world,
+                "args": list(args),
+                "store": str(Path(tmp) / "store"),
+                "result": str(result),
+            }
+            argv = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)]
+            procs.append(subprocess.Popen(net.exec_argv(r, argv), env=env, cwd=repo))
+        try:
+            codes = [p.wait(timeout=3600) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        if codes != [0] * world or not result.exists():
+            raise RuntimeError(f"dp_vs_ddp: ranks exited with {codes} on the emulated network")
+        out: dict = json.loads(result.read_text())
+        return out
+
+
+def run(name: str, pairs: int, warmup: int, world: int, runner: Callable[..., dict]) -> dict:
+    res = runner(_rank, world, name, pairs, warmup)
+    shared = runner(_rank_shared, world, name, pairs, warmup)
     return {
         "model": name,
         "world_size": world,
@@ -162,6 +244,8 @@ def run(name: str, pairs: int, warmup: int, world: int) -> dict:
         "global_batch": res["batch_size"],
         **_summary(res),
         "same_module": _summary(shared),
+        "warmup_steps": res["warmup_steps"],
+        "bucket_tuning": res["bucket_tuning"],
         "grad_bytes": res["grad_bytes"],
         "buckets": res["buckets"],
         "bucketed_allreduce_busbw_GBps": _busbw(
@@ -180,14 +264,49 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--out", default="benchmarks/results/dp_vs_ddp.json")
+    ap.add_argument(
+        "--rate",
+        default=None,
+        help="run across an emulated network at this tc rate (e.g. 400mbit; needs root) "
+        "instead of the loopback; stored under 'emulated' in --out",
+    )
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.worker is not None:
+        return _worker(a.worker)
     if a.pairs < 5:
         print("dp_vs_ddp: --pairs must be >= 5 (medians need at least 5 pairs)", file=sys.stderr)
         return 2
-    results = [run(m, a.pairs, a.warmup, a.world) for m in a.models.split(",")]
-    out = {"benchmark": "dp_vs_ddp", "torch": torch.__version__, "results": results}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
+    models = a.models.split(",")
+    bad = sorted(set(models) - set(MODELS))
+    if bad:
+        print(f"dp_vs_ddp: unknown model(s) {bad}; valid: {sorted(MODELS)}", file=sys.stderr)
+        return 2
+    path = Path(a.out)
+    previous = json.loads(path.read_text()) if path.exists() else {}
+    if a.rate is None:
+        results = [run(m, a.pairs, a.warmup, a.world, _run_loopback) for m in models]
+        out = {
+            "benchmark": "dp_vs_ddp",
+            "torch": torch.__version__,
+            "results": results,
+            "emulated": previous.get("emulated"),
+        }
+    else:
+        from syncline.launch.netns import EmulatedNetwork, check_prerequisites
+
+        check_prerequisites()
+        with EmulatedNetwork(a.world, a.rate) as net:
+
+            def runner(fn: RankFn, world: int, *args: Any) -> dict:
+                return _run_emulated(net, fn, world, *args)
+
+            results = [run(m, a.pairs, a.warmup, a.world, runner) for m in models]
+        out = {**previous, "emulated": {"rate": a.rate, "results": results}}
+        out.setdefault("benchmark", "dp_vs_ddp")
+        out.setdefault("torch", torch.__version__)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
     for r in results:
         print(
             f"{r['model']}: syncline {r['syncline_samples_per_s']:.1f} vs DDP "
@@ -197,7 +316,8 @@ def main() -> int:
             f"same module: ratio {r['same_module']['ratio_of_medians']:.3f} (median pair "
             f"ratio {r['same_module']['median_pair_ratio']:.3f}); allreduce busbw "
             f"{r['bucketed_allreduce_busbw_GBps']:.2f} vs raw "
-            f"{r['raw_allreduce_busbw_GBps']:.2f} GB/s"
+            f"{r['raw_allreduce_busbw_GBps']:.2f} GB/s; buckets chosen: "
+            f"{r['bucket_tuning'][0]['chosen'] if r['bucket_tuning'][0] else 'n/a'}"
         )
     print(json.dumps(out))
     return 0

@@ -46,6 +46,12 @@ class DataParallelConfig:
             order gradients actually became ready (rank 0's order, broadcast to all).
         timeout_s: how long any wait on other ranks may take before it fails with the rank,
             step and operation in the message.
+        autotune_buckets: measure a few bucket plans during the first steps and keep the
+            fastest (:mod:`syncline.dp.tuning`); the caps above are then the first
+            candidate. ``DataParallel`` turns it on when no cap was given.
+        tune_steps_per_trial, tune_rounds: each candidate runs ``tune_steps_per_trial``
+            synchronised steps per round, for ``tune_rounds`` rounds.
+        tune_min_bucket_mb: the smallest even cap tried.
     """
 
     bucket_cap_mb: float = 25.0
@@ -54,12 +60,21 @@ class DataParallelConfig:
     find_unused_parameters: bool = False
     rebuild_buckets: bool = True
     timeout_s: float = 300.0
+    autotune_buckets: bool = False
+    tune_steps_per_trial: int = 3
+    tune_rounds: int = 2
+    tune_min_bucket_mb: float = 0.125
 
     def __post_init__(self) -> None:
         _positive("bucket_cap_mb", self.bucket_cap_mb)
         if self.first_bucket_cap_mb is not None:
             _positive("first_bucket_cap_mb", self.first_bucket_cap_mb)
         _positive("timeout_s", self.timeout_s)
+        _positive("tune_min_bucket_mb", self.tune_min_bucket_mb)
+        for name in ("tune_steps_per_trial", "tune_rounds"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be an integer >= 1")
 
     @property
     def cap_bytes(self) -> int:
@@ -104,7 +119,9 @@ class TrainConfig:
         steps: optimizer steps.
         lr, optimizer, momentum, weight_decay, warmup_steps: the optimisation recipe
             (linear warm-up, then cosine decay to 10 %).
-        bucket_cap_mb, first_bucket_cap_mb: lazy-allreduce bucket sizes.
+        bucket_cap_mb, first_bucket_cap_mb: lazy-allreduce bucket sizes; both ``None``
+            (the default): measured during the first steps (``DataParallel``'s bucket
+            autotuning, lossless and fp16/bf16 compression only; otherwise 25 MiB).
         seq_len, n_layer, n_embd, n_head: GPT shape; cnn_width: CNN channels.
         seed: seeds model init and the data order (every rank derives its shard from it).
         threads: ``torch.set_num_threads`` per rank.
@@ -150,7 +167,7 @@ class TrainConfig:
     momentum: float = 0.9
     weight_decay: float = 0.0
     warmup_steps: int = 20
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float | None = None
     first_bucket_cap_mb: float | None = None
     seq_len: int = 64
     n_layer: int = 4
@@ -200,8 +217,10 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
-        for name in ("lr", "bucket_cap_mb", "timeout_s"):
+        for name in ("lr", "timeout_s"):
             _positive(name, getattr(self, name))
+        if self.bucket_cap_mb is not None:
+            _positive("bucket_cap_mb", self.bucket_cap_mb)
         if self.first_bucket_cap_mb is not None:
             _positive("first_bucket_cap_mb", self.first_bucket_cap_mb)
         if not 0 <= self.momentum < 1:

@@ -122,6 +122,7 @@ def _finish(
         parameters=sum(p.numel() for p in model.parameters()),
         gradient_bytes=dp.bucket_plan.total_numel * 4,
         buckets=len(dp.bucket_plan.buckets),
+        bucket_tuning=dp.bucket_tuning,
         compression=cfg.compression,
         allreduce=cfg.allreduce,
     )

@@ -14,6 +14,7 @@ from syncline.testing import RankFailure, run_ranks
 from tests.dist import toy_models
 
 STEPS = 4
+TUNED_STEPS = 9  # bucket tuning (1 step per candidate from step 2) ends inside this run
 GLOBAL_BATCH = 8
 LR, MOMENTUM = 0.1, 0.9
 CASES = ("frozen", "tied", "unused", "bn")
@@ -21,6 +22,16 @@ CASES = ("frozen", "tied", "unused", "bn")
 
 def _wrap(kind: str, model: torch.nn.Module, name: str) -> torch.nn.Module:
     unused = name == "unused"
+    if kind == "syncline-tuned":
+        # measured bucket plans, switched between steps: each candidate once, then the winner
+        return DataParallel(
+            model,
+            find_unused_parameters=unused,
+            autotune_buckets=True,
+            tune_steps_per_trial=1,
+            tune_rounds=1,
+            tune_min_bucket_mb=0.00005,
+        )
     if kind.startswith("syncline"):
         # a tiny bucket cap forces several buckets, so ordering and flushing are exercised;
         # "syncline-lean" frees autograd's gradients at once instead of at the next forward
@@ -33,14 +44,16 @@ def _wrap(kind: str, model: torch.nn.Module, name: str) -> torch.nn.Module:
     return DDP(model, find_unused_parameters=unused, bucket_cap_mb=0.0005)
 
 
-def _train_rank(rank: int, world: int, kind: str, accumulate: int) -> dict[str, dict]:
-    out = {}
+def _train_rank(
+    rank: int, world: int, kind: str, accumulate: int, steps: int = STEPS
+) -> dict[str, dict]:
+    out: dict[str, dict] = {"tuning": {}}
     for name in CASES:
         model = toy_models.make(name)
         dp = _wrap(kind, model, name)
         opt = torch.optim.SGD([p for p in dp.parameters() if p.requires_grad], LR, MOMENTUM)
         local = GLOBAL_BATCH // world
-        for step in range(STEPS):
+        for step in range(steps):
             model.step = step
             opt.zero_grad()
             micro = local // accumulate
@@ -55,10 +68,13 @@ def _train_rank(rank: int, world: int, kind: str, accumulate: int) -> dict[str, 
                     (F.cross_entropy(dp(xs), ys) / accumulate).backward()
             opt.step()
         out[name] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        out["tuning"][name] = getattr(dp, "bucket_tuning", None)
     return out
 
 
-def _reference(name: str, world: int, accumulate: int) -> dict[str, torch.Tensor]:
+def _reference(
+    name: str, world: int, accumulate: int, steps: int = STEPS
+) -> dict[str, torch.Tensor]:
     """One process: each step, the mean of the per-shard losses (shards as the ranks see them,
     cut into ``accumulate`` micro-batches each).
 
@@ -68,7 +84,7 @@ def _reference(name: str, world: int, accumulate: int) -> dict[str, torch.Tensor
     model = toy_models.make(name)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], LR, MOMENTUM)
     local = GLOBAL_BATCH // world
-    for step in range(STEPS):
+    for step in range(steps):
         model.step = step
         opt.zero_grad()
         x, y = toy_models.batch(name, step, GLOBAL_BATCH)
@@ -128,6 +144,22 @@ def test_matches_single_process(results, run, name) -> None:
     start = toy_models.make(name).state_dict()
     moved = [k for k in start if "weight" in k and not torch.equal(start[k], want[k])]
     assert moved
+
+
+def test_bucket_tuning_matches_single_process() -> None:
+    """Re-cutting the buckets between steps (tuning, then the winner) keeps every update exact,
+    and every rank picks the same plan."""
+    per_rank = run_ranks(_train_rank, 2, "syncline-tuned", 1, TUNED_STEPS)
+    for name in CASES:
+        want = _reference(name, 2, 1, TUNED_STEPS)
+        for rank, states in enumerate(per_rank):
+            _assert_state_equal(states[name], want, buffers_too=rank == 0)
+        tuning = [states["tuning"][name] for states in per_rank]
+        assert tuning[0] is not None and len(tuning[0]["candidates"]) >= 2, tuning[0]
+        assert tuning[0]["decided_at"] < TUNED_STEPS - 1  # steps ran on the chosen plan too
+        assert tuning[1]["chosen"] == tuning[0]["chosen"]
+        sizes = {c["buckets"] for c in tuning[0]["candidates"]}
+        assert len(sizes) >= 2  # the candidates really cut the buffer differently
 
 
 def test_training_moves_frozen_nothing(results) -> None:

@@ -29,6 +29,7 @@ class _HalfWidth:
     """Stateless cast-allreduce-cast; subclasses pick the wire dtype."""
 
     name = ""
+    stateless = True  # no per-bucket state: the engine may re-cut its buckets
     wire_dtype = torch.float16
 
     def reduce(self, bucket: BucketRef, grad: torch.Tensor, comm: Collective) -> Pending:
