@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from syncline.comm.collectives import (
         Collective,
         FlatAllreduce,
+        PackedBroadcast,
         Pending,
         broadcast_tensors,
         broadcast_tensors_async,
@@ -48,6 +49,7 @@ _EXPORTS = {
         [
             "Collective",
             "FlatAllreduce",
+            "PackedBroadcast",
             "Pending",
             "broadcast_tensors",
             "broadcast_tensors_async",
@@ -92,6 +94,7 @@ __all__ = [
     "FlatAllreduce",
     "Group",
     "HierarchicalAllreduce",
+    "PackedBroadcast",
     "Pending",
     "PipelineLayout",
     "Topology",

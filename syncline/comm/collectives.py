@@ -183,6 +183,75 @@ def broadcast_tensors_async(
     return Pending([work], what, timeout_s, global_rank(), then=unpack, wire_bytes=flat.numel())
 
 
+class PackedBroadcast:
+    """Broadcast the same tensors from ``src`` as one message, again and again.
+
+    For what is sent every step (BatchNorm's buffers): the packed layout, its buffer and a
+    view of it per tensor are made once, on the first :meth:`start`, so each round packs and
+    unpacks with one batched copy each (``torch._foreach_copy_``) instead of several
+    Python-dispatched ops per tensor; :func:`broadcast_tensors_async` took ~0.5 ms of a 9 ms
+    CNN step. The tensors must stay the same objects (updated in place, as BatchNorm does);
+    DDP keeps its list of buffers from construction too.
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        src: int = 0,
+        group: Group = None,
+        timeout_s: float = 300.0,
+    ) -> None:
+        self._tensors = [t.detach() for t in tensors]
+        self._src = src
+        self._group = group
+        self._timeout_s = timeout_s
+        self._flat: torch.Tensor | None = None
+        self._slots: list[torch.Tensor] = []
+
+    def _layout(self) -> torch.Tensor:
+        offsets, total = [], 0
+        for t in self._tensors:  # 16-byte aligned, so each slot can be viewed as its dtype
+            offsets.append(total)
+            total += -(-t.numel() * t.element_size() // 16) * 16
+        flat = torch.empty(total, dtype=torch.uint8, device=self._tensors[0].device)
+        self._slots = [
+            flat[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            for t, off in zip(self._tensors, offsets, strict=True)
+        ]
+        self._flat = flat
+        return flat
+
+    def start(self, what: str) -> Pending:
+        """Snapshot the tensors now and send them; waiting on the result overwrites them on
+        the other ranks. The previous round must have been waited on."""
+        if group_size(self._group) == 1 or not self._tensors:
+            return completed(what)
+        flat = self._flat if self._flat is not None else self._layout()
+        is_src = group_rank(self._group) == self._src
+        if is_src:
+            torch._foreach_copy_(self._slots, self._tensors)
+        global_src = (
+            self._src if self._group is None else dist.get_global_rank(self._group, self._src)
+        )
+        try:
+            work = dist.broadcast(flat, src=global_src, group=self._group, async_op=True)
+        except RuntimeError as exc:
+            raise CommError(f"rank {global_rank()}: {what} could not start: {exc}") from exc
+
+        def unpack() -> None:
+            torch._foreach_copy_(self._tensors, self._slots)
+
+        return Pending(
+            [work],
+            what,
+            self._timeout_s,
+            global_rank(),
+            then=None if is_src else unpack,
+            wire_bytes=flat.numel(),
+        )
+
+
 def broadcast_tensors(
     tensors: Sequence[torch.Tensor], *, src: int = 0, group: Group = None, what: str = "broadcast"
 ) -> None:
