@@ -20,7 +20,7 @@ syncline's (they return at once when DDP's own forward did not run), which if an
 favours DDP.
 
 Both engines run at their defaults: DDP's buckets (1 MiB, then 25 MiB), and syncline's
-measured bucket plan (``DataParallel``'s autotuning tries a few plans during the first ~40
+measured bucket plan (``DataParallel``'s autotuning tries a few plans during the first ~50
 steps and keeps the fastest, see :mod:`syncline.dp.tuning`). Warm-up lasts until that choice
 is made, for both engines alike, and the JSON records what was measured and chosen.
 

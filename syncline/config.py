@@ -50,7 +50,10 @@ class DataParallelConfig:
             fastest (:mod:`syncline.dp.tuning`); the caps above are then the first
             candidate. ``DataParallel`` turns it on when no cap was given.
         tune_steps_per_trial, tune_rounds: each candidate runs ``tune_steps_per_trial``
-            synchronised steps per round, for ``tune_rounds`` rounds.
+            synchronised steps per round, for ``tune_rounds`` rounds (the screening).
+        tune_final_rounds, tune_keep_margin: the candidates whose median is within
+            ``tune_keep_margin`` (a fraction) of the best then run ``tune_final_rounds``
+            more rounds before the choice (successive halving).
         tune_min_bucket_mb: the smallest even cap tried.
     """
 
@@ -61,8 +64,10 @@ class DataParallelConfig:
     rebuild_buckets: bool = True
     timeout_s: float = 300.0
     autotune_buckets: bool = False
-    tune_steps_per_trial: int = 3
+    tune_steps_per_trial: int = 2
     tune_rounds: int = 2
+    tune_final_rounds: int = 4
+    tune_keep_margin: float = 0.05
     tune_min_bucket_mb: float = 0.125
 
     def __post_init__(self) -> None:
@@ -71,7 +76,9 @@ class DataParallelConfig:
             _positive("first_bucket_cap_mb", self.first_bucket_cap_mb)
         _positive("timeout_s", self.timeout_s)
         _positive("tune_min_bucket_mb", self.tune_min_bucket_mb)
-        for name in ("tune_steps_per_trial", "tune_rounds"):
+        if not self.tune_keep_margin >= 0:
+            raise ConfigError(f"tune_keep_margin={self.tune_keep_margin!r} must be >= 0")
+        for name in ("tune_steps_per_trial", "tune_rounds", "tune_final_rounds"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be an integer >= 1")

@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=_D.bucket_cap_mb,
         help="lazy-allreduce threshold in MiB (default: measured: the engine tries a few "
-        "bucket plans during the first ~40 steps and keeps the fastest; 25 with a stateful "
+        "bucket plans during the first ~50 steps and keeps the fastest; 25 with a stateful "
         "compressor)",
     )
     d.add_argument(

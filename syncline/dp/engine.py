@@ -36,7 +36,14 @@ from syncline.comm.collectives import Collective, FlatAllreduce, Pending
 from syncline.config import DataParallelConfig
 from syncline.dp.buckets import BucketPlan, plan_buckets
 from syncline.dp.compression import BucketRef, Compressor, Layout, NoCompression
-from syncline.dp.tuning import BucketCandidate, TuningSchedule, bucket_candidates, choose
+from syncline.dp.tuning import (
+    BucketCandidate,
+    TuningSchedule,
+    bucket_candidates,
+    choose,
+    min_over_ranks,
+    survivors,
+)
 from syncline.errors import ConfigError
 
 
@@ -73,10 +80,10 @@ class DataParallel(nn.Module):
             and keep the fastest (:mod:`syncline.dp.tuning`; the result is in
             :attr:`bucket_tuning`). ``None`` (default): on when neither cap is given and the
             compressor is stateless (lossless, fp16, bf16); DDP's sizes are the first
-            candidate, and ~40 steps of a 3.4 MB GPT settle it. Tuning never changes the
+            candidate, and ~50 steps of a 3.4 MB GPT settle it. Tuning never changes the
             result: only where the buffer is cut.
-        tune_steps_per_trial, tune_rounds, tune_min_bucket_mb: see
-            :class:`DataParallelConfig`.
+        tune_steps_per_trial, tune_rounds, tune_final_rounds, tune_keep_margin,
+            tune_min_bucket_mb: see :class:`DataParallelConfig`.
 
     Raises:
         ConfigError: on invalid sizes, no trainable parameters, mixed parameter dtypes, or
@@ -108,8 +115,10 @@ class DataParallel(nn.Module):
         compression: Compressor | None = None,
         allreduce: str | Collective = "flat",
         autotune_buckets: bool | None = None,
-        tune_steps_per_trial: int = 3,
+        tune_steps_per_trial: int = 2,
         tune_rounds: int = 2,
+        tune_final_rounds: int = 4,
+        tune_keep_margin: float = 0.05,
         tune_min_bucket_mb: float = 0.125,
     ) -> None:
         super().__init__()
@@ -134,6 +143,8 @@ class DataParallel(nn.Module):
             autotune_buckets=autotune_buckets,
             tune_steps_per_trial=tune_steps_per_trial,
             tune_rounds=tune_rounds,
+            tune_final_rounds=tune_final_rounds,
+            tune_keep_margin=tune_keep_margin,
             tune_min_bucket_mb=tune_min_bucket_mb,
         )
         self.module = module
@@ -403,7 +414,9 @@ class DataParallel(nn.Module):
 
         Called at the end of every synchronised backward with the time from the first ready
         gradient to the end of communication: the only part of a step that bucket sizes
-        change (no collective is in flight before the first gradient is ready).
+        change (no collective is in flight before the first gradient is ready). Two phases,
+        as successive halving: every candidate for ``tune_rounds`` rounds, then the ones
+        within ``tune_keep_margin`` of the best for ``tune_final_rounds`` more.
         """
         if not self.tuning_pending:
             return
@@ -414,16 +427,28 @@ class DataParallel(nn.Module):
                 self.bucket_tuning = {"chosen": "default", "candidates": [], "decided_at": t}
             return
         tuner = self._tuner
-        k = tuner.schedule.candidate_at(t)
-        if k is not None:
-            tuner.samples[k].append(backward_s)
+        pos = tuner.schedule.candidate_at(t)
+        if pos is not None:
+            tuner.samples[tuner.racing[pos]].append(backward_s)
         if t + 1 == tuner.schedule.end_step:
-            self._decide(tuner, t)
-            return
+            combined = self._gather_times(tuner)
+            keep = survivors(combined, tuner.racing, self.config.tune_keep_margin)
+            if tuner.screening and len(keep) > 1:
+                tuner.screening = False
+                tuner.racing = keep
+                tuner.schedule = TuningSchedule(
+                    len(keep),
+                    self.config.tune_steps_per_trial,
+                    self.config.tune_final_rounds,
+                    t + 1,
+                )
+            else:
+                self._decide(tuner, combined, keep, t)
+                return
         nxt = tuner.schedule.candidate_at(t + 1)
-        if nxt is not None and nxt != tuner.active:
-            tuner.active = nxt
-            self._cut(tuner.plans[nxt])
+        if nxt is not None and tuner.racing[nxt] != tuner.active:
+            tuner.active = tuner.racing[nxt]
+            self._cut(tuner.plans[tuner.active])
 
     def _make_tuner(self, start_step: int) -> _Tuner | None:
         cfg = self.config
@@ -444,25 +469,37 @@ class DataParallel(nn.Module):
         if len(cands) < 2:
             return None
         schedule = TuningSchedule(len(cands), cfg.tune_steps_per_trial, cfg.tune_rounds, start_step)
-        return _Tuner(cands, plans, schedule)
+        return _Tuner(cands, plans, schedule, racing=list(range(len(cands))))
 
-    def _decide(self, tuner: _Tuner, step: int) -> None:
-        """Pick one plan from every rank's times (summed, so all ranks pick the same)."""
-        n = len(tuner.samples[0])
-        times = torch.tensor(
+    def _gather_times(self, tuner: _Tuner) -> list[list[float]]:
+        """Every rank's times so far, combined per step (the same on every rank)."""
+        lengths = [len(s) for s in tuner.samples]  # the same on every rank: same schedule
+        mine = torch.tensor(
             [x for s in tuner.samples for x in s], dtype=torch.float64, device=self._flat.device
         )
-        self._comm.allreduce(
-            times, f"bucket tuning decision at step {self._st.steps_synced}"
-        ).wait()
-        summed = times.view(len(tuner.samples), n).tolist()
-        best = choose(summed)
+        pending, gathered = self._comm.allgather(
+            mine, f"bucket tuning measurements at step {self._st.steps_synced}"
+        )
+        pending.wait()
+        per_rank = []
+        for g in gathered:
+            flat, rows, at = g.tolist(), [], 0
+            for n in lengths:
+                rows.append(flat[at : at + n])
+                at += n
+            per_rank.append(rows)
+        return min_over_ranks(per_rank)
+
+    def _decide(
+        self, tuner: _Tuner, combined: list[list[float]], among: list[int], step: int
+    ) -> None:
+        """Adopt the fastest plan of ``among`` (the default unless clearly beaten)."""
+        best = choose(combined, among=among)
         chosen = tuner.candidates[best]
         self._caps = (chosen.first_cap_bytes, chosen.cap_bytes)  # kept if the layout changes
         self._cut(tuner.plans[best])
-        world = self._world_size
         self.bucket_tuning = {
-            "chosen": tuner.candidates[best].label,
+            "chosen": chosen.label,
             "buckets": len(tuner.plans[best].buckets),
             "decided_at": step,
             "candidates": [
@@ -471,9 +508,13 @@ class DataParallel(nn.Module):
                     "first_cap_bytes": c.first_cap_bytes,
                     "cap_bytes": c.cap_bytes,
                     "buckets": len(p.buckets),
-                    "median_backward_ms": 1e3 * statistics.median(s) / world,
+                    "steps": len(s),
+                    "median_backward_ms": 1e3 * statistics.median(s) if s else None,
+                    "final": k in among,
                 }
-                for c, p, s in zip(tuner.candidates, tuner.plans, summed, strict=True)
+                for k, (c, p, s) in enumerate(
+                    zip(tuner.candidates, tuner.plans, combined, strict=True)
+                )
             ],
         }
         self._tuner = None
@@ -621,7 +662,9 @@ class _Tuner:
 
     candidates: list[BucketCandidate]
     plans: list[BucketPlan]
-    schedule: TuningSchedule
+    schedule: TuningSchedule  # over positions in ``racing``
+    racing: list[int]  # candidates measured in this phase
+    screening: bool = True  # first phase: every candidate; then the close ones
     active: int = 0
     samples: list[list[float]] = field(default_factory=list)
 

@@ -119,20 +119,69 @@ class TuningSchedule:
         return k if rnd % 2 == 0 else self.candidates - 1 - k
 
 
-def choose(seconds: Sequence[Sequence[float]], tolerance: float = 0.01) -> int:
+def min_over_ranks(per_rank: Sequence[Sequence[Sequence[float]]]) -> list[list[float]]:
+    """Combine every rank's times ``[rank][candidate][sample]`` into ``[candidate][sample]``.
+
+    Per step, the shortest window over the ranks. A rank's window runs from its first ready
+    gradient until the last collective completes, so it includes waiting for ranks that are
+    late (noise from elsewhere: data, scheduling); the rank that reached the end last waited
+    least, and its window is its own backward and the communication the plan left exposed.
+
+    Raises:
+        ConfigError: when the ranks' shapes differ.
+    """
+    shapes = [[len(samples) for samples in r] for r in per_rank]
+    if not shapes or any(shape != shapes[0] for shape in shapes):
+        raise ConfigError("min_over_ranks: every rank needs the same candidates and samples")
+    return [
+        [min(r[k][i] for r in per_rank) for i in range(len(per_rank[0][k]))]
+        for k in range(len(per_rank[0]))
+    ]
+
+
+def survivors(seconds: Sequence[Sequence[float]], among: Sequence[int], margin: float) -> list[int]:
+    """The candidates of ``among`` whose median is within ``margin`` of the best one's.
+
+    The screening step of successive halving: a few steps tell a plan that is 10 % slower
+    from the rest, but not 1 % apart; the close ones get more steps before the choice.
+
+    Raises:
+        ConfigError: when ``among`` is empty or one of its candidates has no measurement.
+    """
+    medians = _medians(seconds, among)
+    best = min(medians.values())
+    return [k for k in among if medians[k] <= best * (1.0 + margin)]
+
+
+def choose(
+    seconds: Sequence[Sequence[float]],
+    tolerance: float = 0.01,
+    among: Sequence[int] | None = None,
+) -> int:
     """The fastest candidate by median time, keeping the default (0) unless it is beaten.
 
     Args:
-        seconds: per candidate, its measured times (summed over ranks, so every rank that
-            calls this with the reduced figures picks the same one).
+        seconds: per candidate, its measured times (combined over ranks, e.g. by
+            :func:`min_over_ranks`, so every rank that calls this picks the same one).
         tolerance: a candidate must be this fraction faster than the default to replace it,
             so measurement noise does not move a well-chosen default.
+        among: the candidates still in the race (default: all).
 
     Raises:
-        ConfigError: when a candidate has no measurement.
+        ConfigError: when a candidate of ``among`` has no measurement.
     """
-    if not seconds or any(len(s) == 0 for s in seconds):
-        raise ConfigError(f"choose: every candidate needs measurements, got {list(seconds)}")
-    medians = [statistics.median(s) for s in seconds]
-    best = min(range(len(medians)), key=medians.__getitem__)
-    return best if medians[best] < medians[0] * (1.0 - tolerance) else 0
+    among = list(range(len(seconds))) if among is None else list(among)
+    medians = _medians(seconds, among)
+    best = min(among, key=medians.__getitem__)
+    if 0 in medians and medians[best] >= medians[0] * (1.0 - tolerance):
+        return 0
+    return best
+
+
+def _medians(seconds: Sequence[Sequence[float]], among: Sequence[int]) -> dict[int, float]:
+    if not among or any(not 0 <= k < len(seconds) or len(seconds[k]) == 0 for k in among):
+        raise ConfigError(
+            f"every candidate needs measurements: candidates {list(among)} of "
+            f"{[len(s) for s in seconds]} samples"
+        )
+    return {k: statistics.median(seconds[k]) for k in among}

@@ -153,6 +153,11 @@ def _finish(
             if summary["compression_ratio"] and cfg.compression != "none"
             else ""
         )
+        + (
+            f" (measured, chosen: {dp.bucket_tuning['chosen']})"
+            if dp.bucket_tuning and dp.bucket_tuning.get("candidates")
+            else ""
+        )
         + f" | {summary['elapsed_s']:.1f}s\n"
         f"run directory: {run_dir} (config.json, metrics.jsonl, loss.png, checkpoint.pt, "
         "summary.json)",

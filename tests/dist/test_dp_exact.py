@@ -14,7 +14,7 @@ from syncline.testing import RankFailure, run_ranks
 from tests.dist import toy_models
 
 STEPS = 4
-TUNED_STEPS = 9  # bucket tuning (1 step per candidate from step 2) ends inside this run
+TUNED_STEPS = 14  # bucket tuning (1 step per candidate, twice at most) ends inside this run
 GLOBAL_BATCH = 8
 LR, MOMENTUM = 0.1, 0.9
 CASES = ("frozen", "tied", "unused", "bn")
@@ -30,6 +30,8 @@ def _wrap(kind: str, model: torch.nn.Module, name: str) -> torch.nn.Module:
             autotune_buckets=True,
             tune_steps_per_trial=1,
             tune_rounds=1,
+            tune_final_rounds=1,
+            tune_keep_margin=1e6,  # all survive the screening: the second phase runs too
             tune_min_bucket_mb=0.00005,
         )
     if kind.startswith("syncline"):
@@ -160,6 +162,7 @@ def test_bucket_tuning_matches_single_process() -> None:
         assert tuning[1]["chosen"] == tuning[0]["chosen"]
         sizes = {c["buckets"] for c in tuning[0]["candidates"]}
         assert len(sizes) >= 2  # the candidates really cut the buffer differently
+        assert all(c["steps"] == 2 and c["final"] for c in tuning[0]["candidates"])
 
 
 def test_training_moves_frozen_nothing(results) -> None:

@@ -7,7 +7,14 @@ import doctest
 import pytest
 
 from syncline.dp import tuning
-from syncline.dp.tuning import MIB, TuningSchedule, bucket_candidates, choose
+from syncline.dp.tuning import (
+    MIB,
+    TuningSchedule,
+    bucket_candidates,
+    choose,
+    min_over_ranks,
+    survivors,
+)
 from syncline.errors import ConfigError
 
 
@@ -81,6 +88,21 @@ def test_choose_keeps_the_default_within_tolerance() -> None:
     assert choose([[10.0], [9.8]], tolerance=0.01) == 1
 
 
+def test_choose_among_survivors_without_the_default() -> None:
+    times = [[10.0], [9.0], [8.0, 9.5, 9.6]]
+    assert choose(times, among=[1, 2]) == 1  # median 9.0 vs 9.5
+    assert choose(times, among=[0, 2]) == 2  # 9.5 beats the default by more than 1 %
+
+
+def test_survivors_keep_the_close_ones() -> None:
+    times = [[10.0, 10.0], [9.0, 9.2], [9.5, 9.5], [12.0, 12.0]]
+    assert survivors(times, [0, 1, 2, 3], margin=0.05) == [1, 2]
+    assert survivors(times, [0, 1, 2, 3], margin=0.2) == [0, 1, 2]
+    assert survivors(times, [3], margin=0.0) == [3]
+    with pytest.raises(ConfigError, match="every candidate needs measurements"):
+        survivors(times, [], margin=0.05)
+
+
 def test_choose_needs_measurements() -> None:
     with pytest.raises(ConfigError, match="every candidate needs measurements"):
         choose([[1.0], []])
@@ -99,3 +121,13 @@ def test_engine_refuses_tuning_with_a_stateful_compressor_before_any_work() -> N
         )
     with pytest.raises(ConfigError, match="tune_rounds=0 must be an integer >= 1"):
         DataParallel(nn.Linear(2, 2), tune_rounds=0)
+
+
+def test_min_over_ranks_takes_each_steps_shortest_window() -> None:
+    per_rank = [
+        [[1.0, 5.0], [2.0, 2.0]],  # rank 0: candidate 0's 2nd step waited for rank 1
+        [[3.0, 1.5], [2.5, 1.0]],
+    ]
+    assert min_over_ranks(per_rank) == [[1.0, 1.5], [2.0, 1.0]]
+    with pytest.raises(ConfigError, match="same candidates and samples"):
+        min_over_ranks([[[1.0]], [[1.0, 2.0]]])
