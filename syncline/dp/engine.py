@@ -13,9 +13,10 @@ How a step runs (GradientFlow's lazy allreduce, Sun et al. 2019; DDP's reducer, 
                rank-averaged gradients
 
 Each gradient byte is written into the buffer once and never copied back (DDP copies into
-its buckets and back out by default). The bucket plan is pure data (:mod:`syncline.dp.buckets`); the
-compressor and the collective algorithm are strategies, so fp16/sparse compression and
-hierarchical allreduce plug in without touching the hooks.
+its buckets and back out by default). Where the buffer is cut into buckets is measured during
+the first steps, not guessed (:mod:`syncline.dp.tuning`). The bucket plan is pure data
+(:mod:`syncline.dp.buckets`); the compressor and the collective algorithm are strategies, so
+fp16/sparse compression and hierarchical allreduce plug in without touching the hooks.
 """
 
 from __future__ import annotations
