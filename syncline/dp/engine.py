@@ -540,7 +540,7 @@ class DataParallel(nn.Module):
 
     def _drop_globally_unused(self) -> None:
         """A parameter no rank used keeps ``grad=None``, so optimizers skip it (as in DDP)."""
-        used = torch.tensor(self._st.used, dtype=torch.int32)
+        used = torch.tensor(self._st.used, dtype=torch.int32, device=self._flat.device)
         self._comm.allreduce(used, f"unused-parameter count at step {self._st.steps_synced}").wait()
         for i, count in enumerate(used.tolist()):
             if count == 0:
