@@ -276,7 +276,7 @@ class DataParallel(nn.Module):
 
         ``lazy`` (before a training forward): when every gradient is None (``zero_grad(
         set_to_none=True)``), attach nothing. Autograd then hands each parameter a fresh
-        gradient, which the ready-hook copies into its view: one pass over the bytes instead
+        gradient, which its bucket's launch copies into its view: one pass over the bytes instead
         of zeroing the buffer and adding into it (measured ~1 % of a GPT step on CPU); a
         parameter that gets no gradient is zeroed at the end of backward.
         """
@@ -397,7 +397,8 @@ class DataParallel(nn.Module):
             )
             if self._st.steps_synced == 0 and self.config.rebuild_buckets:
                 self._rebuild_from_observed_order()
-            self._tune(time.perf_counter() - self._st.t_first_ready)
+            if self.tuning_pending:
+                self._tune(time.perf_counter() - self._st.t_first_ready)
             self._st.steps_synced += 1
             self._st.syncs_done += 1
             self._st.used = [False] * len(self._params)
@@ -419,8 +420,6 @@ class DataParallel(nn.Module):
         as successive halving: every candidate for ``tune_rounds`` rounds, then the ones
         within ``tune_keep_margin`` of the best for ``tune_final_rounds`` more.
         """
-        if not self.tuning_pending:
-            return
         t = self._st.syncs_done
         if self._tuner is None:
             self._tuner = self._make_tuner(start_step=t + 2)
