@@ -18,7 +18,7 @@ def __getattr__(name: str) -> Any:
 
         return DataParallel
     if name == "DataParallelConfig":
-        from syncline.config import DataParallelConfig
+        from syncline.dp.config import DataParallelConfig
 
         return DataParallelConfig
     if name == "Pipeline":

@@ -2,7 +2,7 @@
 
 The implementations live in :mod:`syncline.dp.compressors` beside the engine that drives them;
 this module only gathers the names a user needs (the compressors, the protocol they follow and
-the spec parser behind ``--compression``) under one short import path.
+the registry and spec parser behind ``--compression``) under one short import path.
 
 Example:
     >>> from syncline.compression import CSC
@@ -10,14 +10,17 @@ Example:
 """
 
 from syncline.dp.compression import BucketRef, Compressor, NoCompression
-from syncline.dp.compressors import BF16, CSC, FP16, PowerSGD, TopK, build_compressor
+from syncline.dp.compressors import BF16, CSC, FP16, PowerSGD, TopK
+from syncline.dp.registry import COMPRESSORS, CompressorSpec, build_compressor
 
 __all__ = [
     "BF16",
+    "COMPRESSORS",
     "CSC",
     "FP16",
     "BucketRef",
     "Compressor",
+    "CompressorSpec",
     "NoCompression",
     "PowerSGD",
     "TopK",

@@ -1,13 +1,13 @@
 """The ``syncline`` command. ``syncline train`` with no options is the main job.
 
-Every option is validated (into a :class:`~syncline.config.TrainConfig`) before any process
-starts; a bad value ends with one line naming it and exit code 2, never a traceback.
+Every option is validated (into a :class:`~syncline.train.config.TrainConfig`, from whose
+fields the options are generated) before any process starts; a bad value ends with one line
+naming it and exit code 2, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -16,21 +16,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from syncline.config import (
-    BACKENDS,
-    DATASETS,
-    INTERLEAVED_CHUNKS,
-    MODELS,
-    OPTIMIZERS,
-    SCHEDULES,
-    TrainConfig,
-)
+from syncline.cli.options import add_config_options, values_from
 from syncline.errors import CommError, ConfigError
+from syncline.registry import import_plugins
+from syncline.train.config import TrainConfig
 
 _D = TrainConfig()  # defaults, shown in --help
 
 DESCRIPTION = """\
-Train a reference model with syncline's data parallelism, or as a pipeline
+Train a registered model with syncline's data parallelism, or as a pipeline
 (--pipeline-stages), launched through torchrun's elastic launcher. With no options: the GPT
 byte-level language model on the Python standard library's own source code, 2 local
 processes (gloo on CPU, NCCL on GPUs), about a minute or two.
@@ -55,243 +49,29 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``syncline`` parser; ``train``'s options are generated from ``TrainConfig``."""
     parser = _Parser(prog="syncline", description="syncline: distributed training for PyTorch.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     t = sub.add_parser(
         "train",
-        help="train a reference model with data or pipeline parallelism",
+        help="train a registered model with data or pipeline parallelism",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    g = t.add_argument_group("model and data")
-    g.add_argument(
-        "--model",
-        default=_D.model,
-        metavar="NAME",
-        help=f"reference model: {', '.join(MODELS)} (default: %(default)s)",
-    )
-    g.add_argument(
-        "--data",
-        default=None,
-        metavar="NAME",
-        help="data set: "
-        + "; ".join(f"{m}: {', '.join(d)}" for m, d in DATASETS.items())
-        + " (default: the first)",
-    )
-    g.add_argument(
-        "--seq-len",
-        type=int,
-        default=_D.seq_len,
-        help="GPT context length in bytes (default: %(default)s)",
-    )
-    g.add_argument(
-        "--n-layer",
-        type=int,
-        default=_D.n_layer,
-        help="GPT transformer blocks (default: %(default)s)",
-    )
-    g.add_argument("--n-embd", type=int, default=_D.n_embd, help="GPT width (default: %(default)s)")
-    g.add_argument(
-        "--n-head",
-        type=int,
-        default=_D.n_head,
-        help="GPT attention heads; must divide --n-embd (default: %(default)s)",
-    )
-    g.add_argument(
-        "--cnn-width", type=int, default=_D.cnn_width, help="CNN channels (default: %(default)s)"
-    )
-    o = t.add_argument_group("optimisation")
-    o.add_argument(
-        "--batch-size",
-        type=int,
-        default=_D.batch_size,
-        help="global batch over all ranks; must divide evenly (default: %(default)s)",
-    )
-    o.add_argument("--steps", type=int, default=300, help="optimizer steps (default: %(default)s)")
-    o.add_argument(
-        "--lr", type=float, default=_D.lr, help="peak learning rate (default: %(default)s)"
-    )
-    o.add_argument(
-        "--optimizer", default=_D.optimizer, help=f"{', '.join(OPTIMIZERS)} (default: %(default)s)"
-    )
-    o.add_argument(
-        "--momentum", type=float, default=_D.momentum, help="SGD momentum (default: %(default)s)"
-    )
-    o.add_argument(
-        "--weight-decay",
-        type=float,
-        default=_D.weight_decay,
-        help="decoupled weight decay (default: %(default)s)",
-    )
-    o.add_argument(
-        "--warmup-steps",
-        type=int,
-        default=_D.warmup_steps,
-        help="linear LR warm-up steps, then cosine decay (default: %(default)s)",
-    )
-    o.add_argument(
-        "--seed",
-        type=int,
-        default=_D.seed,
-        help="seed of model init and data order (default: %(default)s)",
-    )
-    d = t.add_argument_group("data parallelism")
-    d.add_argument(
-        "--bucket-cap-mb",
-        type=float,
-        default=_D.bucket_cap_mb,
-        help="lazy-allreduce threshold in MiB (default: measured: the engine tries a few "
-        "bucket plans during the first ~50 steps and keeps the fastest; 25 with a stateful "
-        "compressor)",
-    )
-    d.add_argument(
-        "--first-bucket-cap-mb",
-        type=float,
-        default=None,
-        help="first bucket in MiB, small so communication starts early in backward "
-        "(default: 1, as DDP)",
-    )
-    d.add_argument(
-        "--timeout",
-        type=float,
-        default=_D.timeout_s,
-        dest="timeout_s",
-        help="seconds any wait on another rank may take (default: %(default)s)",
-    )
-    d.add_argument(
-        "--compression",
-        default=_D.compression,
-        metavar="SPEC",
-        help="gradient compression: none, fp16, bf16, csc:DENSITY[:warmup=N]"
-        "[:chunk=C][:momentum=M][:ramp=dense|exp], topk:RATIO, powersgd:RANK[:warmup=N] "
-        "(default: %(default)s). With csc and sgd, momentum moves into CSC",
-    )
-    d.add_argument(
-        "--allreduce",
-        default=_D.allreduce,
-        help="flat (one ring) or hierarchical (reduce-scatter in node, allreduce "
-        "across nodes, allgather in node) (default: %(default)s)",
-    )
-    d.add_argument(
-        "--ranks-per-node",
-        type=int,
-        default=None,
-        help="node size for --allreduce hierarchical (default: torchrun's local "
-        "world size); smaller values emulate several nodes on one machine",
-    )
-    pp = t.add_argument_group(
-        "pipeline parallelism",
-        "world size = pipeline stages x data-parallel replicas; this version runs one\n"
-        "replica (world size == --pipeline-stages). Not yet with --compression or\n"
-        "--allreduce hierarchical.",
-    )
-    pp.add_argument(
-        "--pipeline-stages",
-        type=int,
-        default=_D.pipeline_stages,
-        metavar="D",
-        help="cut the model into D stages, one per rank; at most the model's layers "
-        "(gpt: n_layer + 2) (default: %(default)s = data parallelism only)",
-    )
-    pp.add_argument(
-        "--microbatches",
-        type=int,
-        default=None,
-        metavar="M",
-        help="micro-batches per batch; must divide the batch per replica; 2bw needs "
-        "M >= D, interleaved a multiple of D (default: 2 x D)",
-    )
-    pp.add_argument(
-        "--schedule",
-        default=None,
-        metavar="NAME",
-        help=f"{', '.join(SCHEDULES)}: GPipe (all forwards, then all backwards), 1F1B "
-        "(PipeDream-Flush), 2BW (PipeDream-2BW: no flush, two weight versions), "
-        f"interleaved (Megatron, {INTERLEAVED_CHUNKS} virtual stages per rank) "
-        "(default: 1f1b)",
-    )
-    pp.add_argument(
-        "--recompute",
-        action="store_true",
-        default=None,
-        help="keep only stage inputs and recompute each forward before its backward "
-        "(less activation memory, about one more forward of compute)",
-    )
-    pp.add_argument(
-        "--balance",
-        type=_layers_per_stage,
-        default=None,
-        metavar="N,N,...",
-        help="layers per stage (per virtual stage for interleaved), summing to the model's "
-        "layers (default: profile the layers on the first micro-batch and balance their times)",
-    )
-    la = t.add_argument_group("launch (passed to torchrun)")
-    la.add_argument(
-        "--nproc-per-node",
-        "--nproc",
-        type=int,
-        default=_D.nproc_per_node,
-        help="processes on this node (default: %(default)s)",
-    )
-    la.add_argument(
-        "--nnodes", type=int, default=_D.nnodes, help="number of nodes (default: %(default)s)"
-    )
-    la.add_argument(
-        "--node-rank",
-        type=int,
-        default=_D.node_rank,
-        help="this node's rank, 0..nnodes-1 (default: %(default)s)",
-    )
-    la.add_argument(
-        "--rdzv-endpoint",
-        default=None,
-        metavar="HOST:PORT",
-        help="node 0's address for the rendezvous (needed when --nnodes > 1)",
-    )
-    la.add_argument(
-        "--backend",
-        default=_D.backend,
-        help=f"{', '.join(BACKENDS)}; auto = nccl with GPUs, else gloo (default: %(default)s)",
-    )
-    la.add_argument(
-        "--threads",
-        type=int,
-        default=_D.threads,
-        help="torch threads per rank (default: %(default)s)",
-    )
-    la.add_argument(
-        "--emulate-network",
-        default=None,
-        metavar="RATE",
-        help="run each node in its own Linux network namespace on this machine, joined by "
-        "tc-tbf-limited links of RATE (e.g. 100mbit, 1gbit); without --nnodes every rank is "
-        "its own node. Needs root and iproute2; everything it creates is removed afterwards",
-    )
-    r = t.add_argument_group("output")
-    r.add_argument("--run-dir", default=None, help="run directory (default: runs/<time>-<model>)")
-    r.add_argument(
-        "--log-every",
-        type=int,
-        default=_D.log_every,
-        help="print and record every N steps (default: %(default)s)",
-    )
-    r.add_argument(
-        "--inject-failure",
-        default=None,
-        metavar="RANK:STEP",
-        help="testing aid: make RANK exit at STEP, to see the job stop cleanly",
-    )
+    add_config_options(t)
     return parser
 
 
-def _layers_per_stage(text: str) -> tuple[int, ...]:
-    """``--balance 2,3`` as ``(2, 3)``; sizes are checked against the model by TrainConfig."""
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"balance={text!r} is not a comma-separated list of layers per stage, e.g. 2,2"
-        ) from None
+def _plugins_in(argv: Sequence[str]) -> list[str]:
+    """The ``--plugin MODULE`` values, read before the parser is built (a plug-in's models,
+    schedules and compressors then appear in ``--help`` and pass the checks)."""
+    found = []
+    for i, arg in enumerate(argv):
+        if arg == "--plugin" and i + 1 < len(argv):
+            found.append(argv[i + 1])
+        elif arg.startswith("--plugin="):
+            found.append(arg.split("=", 1)[1])
+    return found
 
 
 def _max_local_processes(backend: str) -> tuple[int, str]:
@@ -310,20 +90,25 @@ def _max_local_processes(backend: str) -> tuple[int, str]:
 
 
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    values = {k: v for k, v in vars(ns).items() if k in fields and v is not None}
+    """The validated config of a parsed ``syncline train`` command line.
+
+    Raises:
+        ConfigError: naming the bad value, before any process starts.
+    """
+    values = values_from(ns)
     if "run_dir" not in values:
-        values["run_dir"] = f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{ns.model}"
-    if ns.emulate_network is not None:
-        _check_emulation(ns.emulate_network, values)
+        model = values.get("model", _D.model)
+        values["run_dir"] = f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{model}"
+    if values.get("emulate_network") is not None:
+        _check_emulation(values["emulate_network"], values)
     limit, why = _max_local_processes(str(values.get("backend", _D.backend)))
     nproc = values.get("nproc_per_node", _D.nproc_per_node)
     if isinstance(nproc, int) and nproc > limit:
         raise ConfigError(f"nproc_per_node={nproc} is more than this node allows ({limit}: {why})")
     cfg = TrainConfig(**values)
-    from syncline.dp.compressors import build_compressor
+    from syncline.dp.registry import build_compressor
 
-    build_compressor(cfg.compression)  # raises ConfigError on a bad spec, before any work
+    build_compressor(cfg.compression)  # the compressor's own range checks, before any work
     return cfg
 
 
@@ -388,8 +173,17 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    plugins = _plugins_in(args)
+    if plugins and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as in the ranks, which torchrun starts with `-m`
+    try:
+        import_plugins(plugins)
+    except ConfigError as exc:
+        print(f"syncline: error: {exc}", file=sys.stderr)
+        return 2
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns = parser.parse_args(args)
     if ns.command is None:
         parser.print_help()
         return 2

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
         is_member,
     )
     from syncline.comm.hierarchical import HierarchicalAllreduce
+    from syncline.comm.registry import ALLREDUCE, AllreduceSpec, build_allreduce
     from syncline.comm.topology import (
         PipelineLayout,
         Topology,
@@ -52,6 +53,7 @@ _EXPORTS = {
             "PackedBroadcast",
             "Pending",
             "broadcast_tensors",
+            "build_allreduce",
             "broadcast_tensors_async",
             "completed",
             "gather_objects",
@@ -77,6 +79,9 @@ _EXPORTS = {
         "syncline.comm.groups",
     ),
     "HierarchicalAllreduce": "syncline.comm.hierarchical",
+    "ALLREDUCE": "syncline.comm.registry",
+    "AllreduceSpec": "syncline.comm.registry",
+    "build_allreduce": "syncline.comm.registry",
     **dict.fromkeys(
         [
             "PipelineLayout",
@@ -90,6 +95,8 @@ _EXPORTS = {
     ),
 }
 __all__ = [
+    "ALLREDUCE",
+    "AllreduceSpec",
     "Collective",
     "FlatAllreduce",
     "Group",
@@ -102,6 +109,7 @@ __all__ = [
     "barrier",
     "broadcast_tensors",
     "broadcast_tensors_async",
+    "build_allreduce",
     "build_pipeline_groups",
     "bus_bandwidth",
     "completed",

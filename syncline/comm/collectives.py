@@ -282,3 +282,9 @@ def gather_objects(
         torch.load(io.BytesIO(t[:n].cpu().numpy().tobytes()), weights_only=False)
         for t, n in zip(out, sizes, strict=True)
     ]
+
+
+def build_flat(group: Group, timeout_s: float, ranks_per_node: int | None) -> FlatAllreduce:
+    """The ``flat`` entry of :data:`syncline.comm.registry.ALLREDUCE` (node size unused)."""
+    del ranks_per_node
+    return FlatAllreduce(group, timeout_s=timeout_s)

@@ -1,6 +1,6 @@
 """Hierarchical allreduce: reduce-scatter in the node, allreduce of shards across, allgather.
 
-Jia et al. (Tencent, 2018) and Mikami et al. (Sony, 2018); REFERENCE.md section 1. With ``k``
+Jia et al. (Tencent, 2018) and Mikami et al. (Sony, 2018). With ``k``
 ranks per node, ``N`` nodes and shard ``s = ceil(n/k)`` elements (the tensor is zero-padded to
 ``k*s``), rank ``r`` with local rank ``l`` runs::
 
@@ -269,3 +269,24 @@ class HierarchicalAllreduce:
 
 
 __all__ = ["HierarchicalAllreduce"]
+
+
+def build_hierarchical(
+    group: Group, timeout_s: float, ranks_per_node: int | None
+) -> HierarchicalAllreduce:
+    """The ``hierarchical`` entry of :data:`syncline.comm.registry.ALLREDUCE`.
+
+    Raises:
+        ConfigError: a subgroup (the algorithm spans the default group) or no node size.
+    """
+    if group is not None:
+        raise ConfigError(
+            "allreduce='hierarchical' spans the default group; valid: group=None "
+            "(use 'flat' for a subgroup)"
+        )
+    if ranks_per_node is None:
+        raise ConfigError(
+            "allreduce='hierarchical' needs ranks_per_node (torchrun's LOCAL_WORLD_SIZE)"
+        )
+    topology = Topology(dist.get_world_size(), ranks_per_node)
+    return HierarchicalAllreduce(topology, timeout_s=timeout_s).build()

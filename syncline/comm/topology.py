@@ -10,15 +10,16 @@ For ``Topology(8, 4)``::
 
 A hybrid pipeline x data-parallel job (PipeDream-2BW's depth ``d`` by width ``w``) puts the
 replicas of one stage on consecutive ranks, ``rank = stage * w + replica``, so that each
-stage's gradient allreduce runs inside a node (the fast links, REFERENCE.md section 2) and
-only the pipeline's point-to-point messages cross nodes. For ``PipelineLayout(8, 4)``::
+stage's gradient allreduce runs inside a node (the fast links, where PipeDream-2BW places
+replicas; Narayanan et al. 2021) and only the pipeline's point-to-point messages cross
+nodes. For ``PipelineLayout(8, 4)``::
 
     stage 0: ranks 0 1   data-parallel groups: (0, 1) (2, 3) (4, 5) (6, 7)
     stage 1: ranks 2 3   pipeline groups:      (0, 2, 4, 6) (1, 3, 5, 7)
     stage 2: ranks 4 5
     stage 3: ranks 6 7
 
-The cost functions use the alpha-beta model of REFERENCE.md section 1 (GradientFlow, Sun et al.
+The cost functions use the alpha-beta model (Thakur et al. 2005; GradientFlow, Sun et al.
 2019; hierarchical allreduce: Jia et al. 2018, Mikami et al. 2018). Sizes are bytes, times
 seconds, bandwidths bytes per second.
 """
@@ -235,7 +236,7 @@ def _check_cost_args(nbytes: float, p: int) -> None:
 def ring_allreduce_time(nbytes: float, p: int, alpha: float, bandwidth: float) -> float:
     """Seconds for a ring allreduce of ``nbytes`` over ``p`` ranks.
 
-    ``T(n) = 2(p-1)*alpha + 2(p-1)/p * n / bandwidth`` (REFERENCE.md section 1, the
+    ``T(n) = 2(p-1)*alpha + 2(p-1)/p * n / bandwidth`` (Thakur et al. 2005, the
     alpha-beta model of GradientFlow, Sun et al. 2019): a reduce-scatter and an allgather of
     ``p-1`` steps each, every step moving ``n/p`` bytes per rank. ``p == 1`` costs nothing.
 
@@ -259,7 +260,7 @@ def hierarchical_allreduce_time(
     alpha_inter: float,
     bw_inter: float,
 ) -> float:
-    """Seconds for a hierarchical allreduce (Jia et al. 2018; REFERENCE.md section 1).
+    """Seconds for a hierarchical allreduce (Jia et al. 2018).
 
     With ``k`` ranks per node and ``N`` nodes, the three ring phases cost::
 
@@ -282,7 +283,7 @@ def bus_bandwidth(nbytes: float, seconds: float, p: int) -> float:
     """Allreduce bus bandwidth as nccl-tests reports it: ``busbw = (n / T) * 2(p-1)/p``.
 
     Comparable across ``p``, and with the link speed, since a ring allreduce moves
-    ``2(p-1)/p * n`` bytes through every rank's link (REFERENCE.md section 1).
+    ``2(p-1)/p * n`` bytes through every rank's link (Thakur et al. 2005).
 
     Example:
         >>> bus_bandwidth(1e9, 0.15, 4)  # the ring above, without its latency

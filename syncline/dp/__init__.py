@@ -1,4 +1,4 @@
-"""Data parallelism: bucket plan (pure), compressors, and the DataParallel engine.
+"""Data parallelism: its config, bucket plan (pure), compressor registry, and the engine.
 
 Names are resolved lazily so that importing the pure bucket planner does not load torch.
 """
@@ -16,6 +16,10 @@ _EXPORTS = {
     "Compressor": "syncline.dp.compression",
     "NoCompression": "syncline.dp.compression",
     "DataParallel": "syncline.dp.engine",
+    "DataParallelConfig": "syncline.dp.config",
+    "COMPRESSORS": "syncline.dp.registry",
+    "CompressorSpec": "syncline.dp.registry",
+    "build_compressor": "syncline.dp.registry",
     "StepStats": "syncline.dp.engine",
 }
 __all__ = sorted(_EXPORTS)

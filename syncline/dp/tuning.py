@@ -2,9 +2,9 @@
 
 The best bucket size depends on the cluster, not only the model. A bucket's allreduce can
 overlap only the backward compute that follows its launch, so the last bucket's collective is
-always exposed: on a slow link (measured: 2 gloo ranks joined at 400 Mbit/s, the 3.4 MB GPT)
-0.5 MiB buckets ran 1.23x faster than DDP's 1 MiB + 25 MiB, while on a fast one where compute
-and communication share the same two CPU cores, one bucket at the end of backward did best.
+always exposed: on a slow link, buckets of half a MiB beat DDP's 1 MiB + 25 MiB, while on a
+fast one where compute and communication share the same CPU cores, one bucket at the end of
+backward does best (``benchmarks/results/NOTES.md``).
 DDP leaves the choice to the user; Horovod's autotuner measures it. We measure too: for a few
 steps each, the engine runs a short list of bucket plans in turn and keeps the fastest.
 

@@ -9,45 +9,15 @@ reference model for testing buffer handling in data and pipeline parallelism.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from syncline.errors import ConfigError
+from syncline.models.configs import CNNConfig
 
 __all__ = ["CNNConfig", "ConvBlock", "ResidualBlock", "build_cnn", "cnn_loss"]
 
 _POOLED_GRID = 4  # side of the feature grid the classifier sees, at most
-
-
-@dataclass(frozen=True)
-class CNNConfig:
-    """Shape of a CNN classifier.
-
-    Attributes:
-        in_channels: channels of the input images (1 for grey scale).
-        num_classes: number of output logits.
-        image_size: side of the square input images; the pooled grid is
-            ``min(4, image_size)`` on a side. The adaptive pool lets the network accept
-            other sizes too.
-        width: channels of every convolution.
-        depth: number of Conv-BatchNorm-ReLU blocks, the first one a stem that maps
-            ``in_channels`` to ``width`` and the rest residual.
-    """
-
-    in_channels: int = 1
-    num_classes: int = 10
-    image_size: int = 8
-    width: int = 32
-    depth: int = 2
-
-    def __post_init__(self) -> None:
-        for name in ("in_channels", "num_classes", "image_size", "width", "depth"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"CNNConfig.{name}={value!r} is invalid; valid: an int >= 1")
 
 
 class ConvBlock(nn.Module):

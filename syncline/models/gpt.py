@@ -9,13 +9,13 @@ stages anywhere. The architecture and the initialisation follow nanoGPT
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from syncline.errors import ConfigError
+from syncline.models.configs import GPTConfig
 
 __all__ = [
     "Block",
@@ -28,48 +28,6 @@ __all__ = [
 ]
 
 _INIT_STD = 0.02
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    """Shape of a GPT model.
-
-    Attributes:
-        vocab_size: number of token ids; 256 for raw bytes.
-        block_size: longest sequence the model accepts (size of the position table).
-        n_layer: number of transformer blocks.
-        n_head: attention heads per block; must divide ``n_embd``.
-        n_embd: width of the residual stream.
-        dropout: dropout probability in [0, 1) on embeddings, attention and MLP outputs.
-        tie_weights: share one Parameter between the token embedding and the output head.
-            Under pipeline parallelism the first and last stage then hold the same weight,
-            so keep them on one device or synchronise its gradient.
-    """
-
-    vocab_size: int = 256
-    block_size: int = 64
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    tie_weights: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"GPTConfig.{name}={value!r} is invalid; valid: an int >= 1")
-        if self.n_embd % self.n_head != 0:
-            raise ConfigError(
-                f"GPTConfig.n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
-                f"valid: n_embd a multiple of n_head"
-            )
-        if not isinstance(self.dropout, int | float) or not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"GPTConfig.dropout={self.dropout!r} is invalid; valid: 0 <= p < 1")
-        if not isinstance(self.tie_weights, bool):
-            raise ConfigError(
-                f"GPTConfig.tie_weights={self.tie_weights!r} is invalid; valid: True or False"
-            )
 
 
 class Embedding(nn.Module):

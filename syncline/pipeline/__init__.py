@@ -1,7 +1,8 @@
 """Pipeline parallelism: GPipe, 1F1B, PipeDream-2BW and interleaved 1F1B over torch.distributed.
 
-Layers, lowest first: :mod:`~syncline.pipeline.plan` (pure: slices the generated schedules
-into ``train_step`` calls); :mod:`~syncline.pipeline.memory` (measures stashed activations);
+Layers, lowest first: :mod:`~syncline.pipeline.config` (pure: the settings, checked against
+the schedule registry; the call slices come from :mod:`syncline.schedule.plan`);
+:mod:`~syncline.pipeline.memory` (measures stashed activations);
 :mod:`~syncline.pipeline.versions` (2BW's two weight versions);
 :mod:`~syncline.pipeline.batches` (micro-batches); :mod:`~syncline.pipeline.split`
 (stage modules); :mod:`~syncline.pipeline.stage` (one stage's forward, recompute, backward,
@@ -21,6 +22,7 @@ from typing import Any
 
 _EXPORTS = {
     "Pipeline": "syncline.pipeline.runtime",
+    "PipelineConfig": "syncline.pipeline.config",
     "StageError": "syncline.pipeline.runtime",
     "StageMemoryStats": "syncline.pipeline.memory",
 }

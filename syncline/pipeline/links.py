@@ -7,9 +7,9 @@ batch): the first activations of each signature on an edge carry a header
 (:mod:`syncline.comm.p2p`), both sides note the shape in a :class:`ShapeBook`, and from two
 batches later on both send and receive the bare payload. One message instead of two matters:
 the receiver can post the payload buffer at once, while with a header it can post it only
-after the header is in, which on a busy rank is the next action boundary (measured, steps
-interleaved from a barrier: removing the headers took syncline's 1F1B from about 6 % behind
-torch's Schedule1F1B, which sends none, to about 3 % ahead of it). A shorter last batch
+after the header is in, which on a busy rank is the next action boundary (torch's
+Schedule1F1B sends no headers either; the effect is in ``benchmarks/results/NOTES.md``). A
+shorter last batch
 or another sequence length is a new signature, so it goes with headers again; a stage whose
 output shape depends on the data itself is refused with a clear error.
 

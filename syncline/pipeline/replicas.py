@@ -11,7 +11,7 @@ stages' compute.
 How one REDUCE runs: the stage's accumulated gradients (under 2BW those of the weight version
 the batch ran on, :meth:`~syncline.pipeline.stage.Stage.grad_holders`) are copied into one flat
 buffer per stage, so one collective carries them instead of one per tensor (the lazy-allreduce
-argument of REFERENCE.md section 1); the buffer goes through the
+argument of GradientFlow, Sun et al. 2019); the buffer goes through the
 :class:`~syncline.dp.compression.Compressor` (lossless, fp16, CSC, ...) on a
 :class:`~syncline.comm.FlatAllreduce`, and each gradient becomes a view of the averaged buffer
 (no copy back). The buffer is the compressor's bucket ``stage``, so stateful compressors (CSC

@@ -1,6 +1,6 @@
 """The pipeline runtime: executes this rank's slice of a generated schedule, action by action.
 
-A ``train_step`` call picks the slice (:mod:`syncline.pipeline.plan`), relabels it with the
+A ``train_step`` call picks the slice (:mod:`syncline.schedule.plan`), relabels it with the
 global batch number and runs each action through one handler per ``ActionKind``; the order
 is the generator's, never re-derived here. Each action is timed for :meth:`Pipeline.trace`.
 Any failure is re-raised naming the rank, the stage, the step (global batch) and the
@@ -22,6 +22,7 @@ stages average the batch loss before broadcasting it, so every rank returns the 
 from __future__ import annotations
 
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -37,14 +38,23 @@ from syncline.partition import balance as balance_costs
 from syncline.partition import check_balance, stage_bounds
 from syncline.pipeline.batches import Batch, take_batch
 from syncline.pipeline.checks import check_args, check_callables
+from syncline.pipeline.config import DEFAULT_SCHEDULE, PipelineConfig
 from syncline.pipeline.links import Links
 from syncline.pipeline.memory import StageMemoryStats
-from syncline.pipeline.plan import SCHEDULES, Plan, Segment, build_plan
 from syncline.pipeline.profile import profile_layers
 from syncline.pipeline.replicas import StageReplicas, check_compression, check_groups
 from syncline.pipeline.split import stage_modules
 from syncline.pipeline.stage import LossFn, OptimizerFactory, Stage
-from syncline.schedule import Action, ActionKind, Event, Timeline
+from syncline.schedule import (
+    SCHEDULES,
+    Action,
+    ActionKind,
+    Event,
+    Plan,
+    Segment,
+    Timeline,
+    build_plan,
+)
 
 K = ActionKind
 
@@ -89,7 +99,7 @@ class Pipeline:
         device: where the stage runs; default: where the module's parameters are.
         track_memory: measure stashed activations for :meth:`memory_stats` with autograd
             saved-tensor hooks. Off by default, as a profiler would be: a Python hook per
-            saved tensor cost ~3 % of a small GPT's 1F1B step on CPU (measured); without it
+            saved tensor costs a few per cent of a small model's step on CPU; without it
             :meth:`memory_stats` counts only the stage inputs and outputs the pipeline holds.
 
     Raises:
@@ -114,7 +124,7 @@ class Pipeline:
         *,
         num_stages: int,
         num_microbatches: int,
-        schedule: str = "1f1b",
+        schedule: str = DEFAULT_SCHEDULE,
         loss_fn: LossFn,
         optimizer: OptimizerFactory,
         recompute: bool = False,
@@ -126,8 +136,17 @@ class Pipeline:
         data_parallel_group: comm.Group = None,
         compression: Compressor | None = None,
     ) -> None:
-        check_args(module, num_stages, num_microbatches, schedule, balance, timeout_s)
-        check_callables(loss_fn, optimizer, recompute)
+        config = PipelineConfig(
+            num_stages=num_stages,
+            num_microbatches=num_microbatches,
+            schedule=schedule,
+            recompute=recompute,
+            balance=tuple(balance) if isinstance(balance, list | tuple) else balance,
+            timeout_s=timeout_s,
+        )
+        check_args(module, config)
+        check_callables(loss_fn, optimizer)
+        self.config = config
         self._compression = check_compression(compression)
         width = (
             1 if data_parallel_group is None else check_groups(process_group, data_parallel_group)
@@ -357,7 +376,7 @@ class Pipeline:
                 loss_fn=self._loss_fn,
                 optimizer=self._optimizer,
                 num_microbatches=self._m,
-                versioned=self._plan.name == "2bw",
+                versioned=SCHEDULES.get(self._plan.name).versioned,
                 track_memory=self._track_memory,
             )
         self._balance = split
@@ -375,7 +394,7 @@ class Pipeline:
                 self._plan.num_ranks,
                 self._d,
                 self._m,
-                SCHEDULES.index(self._plan.name),
+                zlib.crc32(self._plan.name.encode()),
                 int(self._recompute),
                 trainable,
             ]

@@ -14,6 +14,8 @@ from __future__ import annotations
 from syncline.schedule.generators import gpipe, interleaved_1f1b, one_f_one_b, two_bw
 from syncline.schedule.ir import Action, ActionKind, Schedule, ScheduleError, parse_action
 from syncline.schedule.passes import add_communication, add_recompute
+from syncline.schedule.plan import Plan, Segment
+from syncline.schedule.registry import SCHEDULES, ScheduleSpec, build_plan, check_microbatches
 from syncline.schedule.render import (
     Event,
     Timeline,
@@ -25,15 +27,21 @@ from syncline.schedule.render import (
 from syncline.schedule.validate import validate
 
 __all__ = [
+    "SCHEDULES",
     "Action",
     "ActionKind",
     "Event",
+    "Plan",
     "Schedule",
     "ScheduleError",
+    "ScheduleSpec",
+    "Segment",
     "Timeline",
     "add_communication",
     "add_recompute",
     "bubble_fraction",
+    "build_plan",
+    "check_microbatches",
     "gpipe",
     "interleaved_1f1b",
     "one_f_one_b",

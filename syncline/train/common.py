@@ -14,9 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from syncline.config import TrainConfig
+from syncline.data.registry import build_dataset as build_registered_dataset
 from syncline.dp.compression import Compressor
-from syncline.models import build_model
+from syncline.registry import resolve
+from syncline.train.config import TrainConfig
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -28,45 +29,29 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def build_model_for(cfg: TrainConfig) -> nn.Sequential:
-    """The configured reference model, initialised from ``cfg.seed``."""
+def build_model_for(cfg: TrainConfig) -> nn.Module:
+    """The configured model (from its registry entry), initialised from ``cfg.seed``."""
     torch.manual_seed(cfg.seed)
-    if cfg.model == "gpt":
-        return build_model(
-            "gpt",
-            block_size=cfg.seq_len,
-            n_layer=cfg.n_layer,
-            n_embd=cfg.n_embd,
-            n_head=cfg.n_head,
-        )
-    return build_model("cnn", width=cfg.cnn_width)
+    model: nn.Module = resolve(cfg.model_spec.build)(cfg.model_config())
+    return model
 
 
 def build_dataset(cfg: TrainConfig) -> tuple[Any, int]:
     """The configured data set and the number of tokens per sample (1 for images)."""
-    if cfg.dataset == "stdlib":
-        from syncline.data import ByteDataset, stdlib_corpus
-
-        return ByteDataset(stdlib_corpus(), cfg.seq_len), cfg.seq_len
-    from syncline.data import TensorPairDataset, digits_dataset, synthetic_images
-
-    if cfg.dataset == "digits":
-        images, labels = digits_dataset()
-    else:
-        images, labels = synthetic_images(4096, 8, 10, seed=cfg.seed)
-    return TensorPairDataset(images, labels), 1
+    return build_registered_dataset(cfg.dataset, cfg.seq_len, cfg.seed)
 
 
 def make_optimizer(
     cfg: TrainConfig, params: list[nn.Parameter], compressor: Compressor | None = None
 ) -> torch.optim.Optimizer:
-    """The configured optimizer; SGD's momentum moves into CSC when CSC compresses.
+    """The configured optimizer; SGD's momentum moves into the compressor when it applies
+    momentum itself (CSC).
 
     CSC applies momentum *before* sparsification (momentum correction, Lin et al. 2018), so
     the optimizer must not apply it a second time.
     """
     if cfg.optimizer == "sgd":
-        momentum = 0.0 if compressor is not None and compressor.name == "csc" else cfg.momentum
+        momentum = 0.0 if compressor is not None and cfg.owns_momentum else cfg.momentum
         return torch.optim.SGD(params, lr=cfg.lr, momentum=momentum, weight_decay=cfg.weight_decay)
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 

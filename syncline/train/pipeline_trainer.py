@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from syncline import comm
-from syncline.config import TrainConfig
 from syncline.data import ShardedBatches
 from syncline.dp.compressors import build_compressor
+from syncline.errors import ConfigError
 from syncline.models import model_loss
 from syncline.pipeline import Pipeline
 from syncline.schedule import Event, Timeline, bubble_fraction, to_chrome_trace
@@ -37,6 +37,7 @@ from syncline.train.common import (
     make_optimizer,
     set_lr,
 )
+from syncline.train.config import TrainConfig
 from syncline.train.metrics import MetricsLog, plot_loss, summarize, timed_record
 from syncline.train.plots import plot_schedule
 from syncline.train.progress import Progress, human_bytes
@@ -99,6 +100,11 @@ def train_pipeline(cfg: TrainConfig, rank: int, world: int, device: torch.device
     """Train this rank's stages; returns the run summary (complete on rank 0)."""
     replicas = cfg.pipeline_replicas
     model = build_model_for(cfg).to(device)
+    if not isinstance(model, nn.Sequential):
+        raise ConfigError(
+            f"model {cfg.model!r} built a {type(model).__name__}; a pipeline cuts an "
+            "nn.Sequential: valid: pipeline_stages=1, or a model built as nn.Sequential"
+        )
     dataset, tokens_per_sample = build_dataset(cfg)
     # global rank = stage * replicas + replica: every stage of replica j reads shard j
     shard = ShardedBatches(dataset, cfg.batch_size, rank % replicas, replicas, cfg.seed)

@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from syncline.comm.collectives import Collective
-from syncline.config import TrainConfig
 from syncline.data import ShardedBatches
 from syncline.dp.compressors import build_compressor
 from syncline.dp.engine import DataParallel
@@ -30,6 +29,7 @@ from syncline.train.common import (
     make_optimizer,
     set_lr,
 )
+from syncline.train.config import TrainConfig
 from syncline.train.metrics import MetricsLog, plot_loss, summarize, timed_record
 from syncline.train.progress import Progress, human_bytes
 

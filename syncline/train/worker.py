@@ -13,7 +13,10 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from syncline import comm
-from syncline.config import TrainConfig
+from syncline.comm.registry import build_allreduce
+from syncline.comm.topology import Topology
+from syncline.registry import import_plugins
+from syncline.train.config import TrainConfig
 from syncline.train.pipeline_trainer import train_pipeline
 from syncline.train.trainer import train
 
@@ -25,7 +28,9 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m syncline.train.worker CONFIG.json", file=sys.stderr)
         return 2
     with open(args[0]) as f:
-        cfg = TrainConfig.from_dict(json.load(f))
+        values = json.load(f)
+    import_plugins(values.get("plugins", ()))  # before the config names their entries
+    cfg = TrainConfig.from_dict(values)
     torch.set_num_threads(cfg.threads)
     backend = cfg.backend
     if backend == "auto":
@@ -39,13 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = comm.init_from_env(backend=backend, timeout_s=cfg.timeout_s)
     try:
         allreduce: str | comm.Collective = "flat"
-        if cfg.allreduce == "hierarchical":
-            from syncline.comm.hierarchical import HierarchicalAllreduce
-            from syncline.comm.topology import Topology
-
+        if cfg.allreduce != "flat" and not cfg.pipelined:
             per_node = cfg.ranks_per_node or os.environ.get("LOCAL_WORLD_SIZE", str(world))
-            topology = Topology.from_env_values(world, per_node)
-            allreduce = HierarchicalAllreduce(topology, timeout_s=cfg.timeout_s).build()
+            allreduce = build_allreduce(
+                cfg.allreduce,
+                timeout_s=cfg.timeout_s,
+                ranks_per_node=Topology.from_env_values(world, per_node).ranks_per_node,
+            )
         if cfg.pipelined:
             train_pipeline(cfg, rank, world, device)
         else:

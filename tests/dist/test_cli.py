@@ -5,27 +5,17 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 from syncline.train.checkpoint import load_checkpoint
-
-
-def _syncline(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "syncline.cli.main", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
+from tests.zoo.cli import syncline
+from tests.zoo.ids import flags_id
 
 
 def test_train_writes_a_complete_run_directory(tmp_path) -> None:
     run = tmp_path / "run"
-    res = _syncline(
+    res = syncline(
         "train",
         "--steps",
         "12",
@@ -57,7 +47,7 @@ def test_train_writes_a_complete_run_directory(tmp_path) -> None:
 
 
 def test_cnn_on_digits_trains(tmp_path) -> None:
-    res = _syncline(
+    res = syncline(
         "train",
         "--model",
         "cnn",
@@ -80,25 +70,26 @@ def test_cnn_on_digits_trains(tmp_path) -> None:
     assert summary["final_loss"] < 0.8 * summary["first_loss"]
 
 
-@pytest.mark.parametrize(
-    ("args", "match"),
-    [
-        (["--batch-size", "33"], "batch_size=33 is not divisible by the number of ranks 2"),
-        (["--model", "vit"], "unknown model 'vit'"),
-        (["--steps", "0"], "steps=0"),
-        (["--nproc-per-node", "100000"], "nproc_per_node=100000 is more than this node allows"),
-        (["--bucket-cap-mb", "-1"], "bucket_cap_mb=-1.0 must be > 0"),
-        (["--lr", "fast"], "invalid float value: 'fast'"),
-        (["--model", "cnn", "--data", "stdlib"], "does not fit model 'cnn'"),
-        (["--compression", "zip"], "compression"),
-        (["--compression", "csc:2"], "density=2.0"),
-        (["--allreduce", "ring"], "allreduce='ring'"),
-        (["--ranks-per-node", "3"], "ranks_per_node=3"),
-        (["--emulate-network", "5furlongs"], "invalid rate '5furlongs'"),
-    ],
-)
+# (flags, what the one-line error on stderr contains)
+BAD_INPUT = [
+    (["--batch-size", "33"], "batch_size=33 is not divisible by the number of ranks 2"),
+    (["--model", "vit"], "model='vit' is unknown; valid: gpt, cnn"),
+    (["--steps", "0"], "steps=0"),
+    (["--nproc-per-node", "100000"], "nproc_per_node=100000 is more than this node allows"),
+    (["--bucket-cap-mb", "-1"], "bucket_cap_mb=-1.0 must be > 0"),
+    (["--lr", "fast"], "invalid float value: 'fast'"),
+    (["--model", "cnn", "--data", "stdlib"], "does not fit model 'cnn'"),
+    (["--compression", "zip"], "compression"),
+    (["--compression", "csc:2"], "density=2.0"),
+    (["--allreduce", "ring"], "allreduce='ring'"),
+    (["--ranks-per-node", "3"], "ranks_per_node=3"),
+    (["--emulate-network", "5furlongs"], "invalid rate '5furlongs'"),
+]
+
+
+@pytest.mark.parametrize(("args", "match"), BAD_INPUT, ids=[flags_id(a) for a, _ in BAD_INPUT])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, match) -> None:
-    res = _syncline("train", "--run-dir", str(tmp_path / "bad"), *args, timeout=60)
+    res = syncline("train", "--run-dir", str(tmp_path / "bad"), *args, timeout=60)
     assert res.returncode == 2
     assert match in res.stderr
     assert "Traceback" not in res.stderr
@@ -107,7 +98,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, match) -> None:
 
 
 def test_a_dying_rank_stops_the_job_with_its_name(tmp_path) -> None:
-    res = _syncline(
+    res = syncline(
         "train",
         "--steps",
         "50",
@@ -139,7 +130,7 @@ def _namespaces() -> set[str]:
 def test_emulated_slow_network_with_csc(tmp_path) -> None:
     run = tmp_path / "emu"
     before = _namespaces()
-    res = _syncline(
+    res = syncline(
         "train",
         "--steps",
         "8",
@@ -169,7 +160,7 @@ def test_emulated_slow_network_with_csc(tmp_path) -> None:
 
 def test_hierarchical_allreduce_on_4_ranks_as_2_nodes(tmp_path) -> None:
     run = tmp_path / "hier"
-    res = _syncline(
+    res = syncline(
         "train",
         "--steps",
         "6",

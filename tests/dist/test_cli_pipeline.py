@@ -14,17 +14,18 @@ from typing import Any
 import pytest
 import torch
 
-from syncline.config import TrainConfig
 from syncline.train.checkpoint import load_checkpoint
 from syncline.train.common import build_model_for
-from tests.dist.test_cli import _syncline
+from syncline.train.config import TrainConfig
+from tests.zoo.cli import syncline
+from tests.zoo.ids import flags_id
 
 TINY = ["--n-layer", "2", "--n-embd", "32", "--seq-len", "16", "--batch-size", "16"]
 TINY += ["--warmup-steps", "2", "--log-every", "3"]
 
 
 def _train(run: Path, *args: str) -> dict[str, Any]:
-    res = _syncline("train", "--pipeline-stages", "2", *TINY, "--run-dir", str(run), *args)
+    res = syncline("train", "--pipeline-stages", "2", *TINY, "--run-dir", str(run), *args)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "summary:" in res.stdout and "tokens/s" in res.stdout
     summary: dict[str, Any] = json.loads((run / "summary.json").read_text())
@@ -98,24 +99,25 @@ def test_two_replicas_of_a_2bw_pipeline_with_fp16_gradient_compression(tmp_path)
     _check_checkpoint(run)
 
 
-@pytest.mark.parametrize(
-    ("args", "match"),
-    [
-        (["--pipeline-stages", "7"], "pipeline_stages=7 needs 7 stages but the gpt model has 6"),
-        (
-            ["--pipeline-stages", "2", "--schedule", "2bw", "--microbatches", "1"],
-            "microbatches=1 must be >= pipeline_stages=2 for 2bw",
-        ),
-        (["--pipeline-stages", "2", "--balance", "2,x"], "balance='2,x' is not a comma"),
-        (
-            ["--pipeline-stages", "2", "--compression", "fp16"],
-            "compression='fp16' compresses the gradient allreduce of data-parallel replicas",
-        ),
-    ],
-)
+# (flags, what the one-line error on stderr contains)
+BAD_INPUT = [
+    (["--pipeline-stages", "7"], "pipeline_stages=7 needs 7 stages but the gpt model has 6"),
+    (
+        ["--pipeline-stages", "2", "--schedule", "2bw", "--microbatches", "1"],
+        "microbatches=1 must be >= pipeline_stages=2 for 2bw",
+    ),
+    (["--pipeline-stages", "2", "--balance", "2,x"], "balance='2,x' is not a comma"),
+    (
+        ["--pipeline-stages", "2", "--compression", "fp16"],
+        "compression='fp16' compresses the gradient allreduce of data-parallel replicas",
+    ),
+]
+
+
+@pytest.mark.parametrize(("args", "match"), BAD_INPUT, ids=[flags_id(a) for a, _ in BAD_INPUT])
 def test_bad_pipeline_input_is_one_line_and_exit_2(tmp_path, args, match) -> None:
     """A few through the real command; the rest of the checks are tabled in test_config."""
-    res = _syncline("train", "--run-dir", str(tmp_path / "bad"), *args, timeout=60)
+    res = syncline("train", "--run-dir", str(tmp_path / "bad"), *args, timeout=60)
     assert res.returncode == 2, res.stderr
     assert match in res.stderr
     assert "Traceback" not in res.stderr
@@ -124,7 +126,7 @@ def test_bad_pipeline_input_is_one_line_and_exit_2(tmp_path, args, match) -> Non
 
 
 def test_help_documents_the_pipeline_options() -> None:
-    res = _syncline("train", "--help", timeout=60)
+    res = syncline("train", "--help", timeout=60)
     assert res.returncode == 0
     for option in ("--pipeline-stages", "--microbatches", "--schedule", "--recompute", "--balance"):
         assert option in res.stdout

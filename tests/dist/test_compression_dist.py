@@ -258,7 +258,9 @@ def test_data_parallel_training_with_every_compressor_decreases_loss() -> None:
             assert r0["wire"][1:] == [dense // 2] * (TRAIN_STEPS - 1)
     # PowerSGD got each bucket's parameter layout from the engine: per-tensor byte count
     r0 = results[0]["powersgd:2"]
-    plans = [plan_matrices(n, lay, 2) for n, lay in zip(r0["bucket_numels"], r0["layouts"])]
+    plans = [
+        plan_matrices(n, lay, 2) for n, lay in zip(r0["bucket_numels"], r0["layouts"], strict=True)
+    ]
     assert any(pl.matrices for pl in plans) and any(pl.dense for pl in plans)
     expected = sum(4 * (pl.dense_numel + pl.p_numel + pl.q_numel) for pl in plans)
     assert r0["wire"][-1] == expected

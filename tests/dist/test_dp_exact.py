@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -11,13 +12,36 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from syncline import DataParallel
 from syncline.testing import RankFailure, run_ranks
-from tests.dist import toy_models
+from tests.zoo.models import TOY_MODELS, toy_batch, toy_model
 
 STEPS = 4
 TUNED_STEPS = 14  # bucket tuning (1 step per candidate, twice at most) ends inside this run
 GLOBAL_BATCH = 8
 LR, MOMENTUM = 0.1, 0.9
-CASES = ("frozen", "tied", "unused", "bn")
+CASES = tuple(TOY_MODELS)  # frozen, tied, unused, bn
+
+
+@dataclass(frozen=True)
+class Run:
+    """One spawn: every toy model trained by ``kind`` on ``world`` ranks, each rank's shard cut
+    into ``accumulate`` micro-batches (all but the last under ``no_sync``)."""
+
+    kind: str  # "syncline", "syncline-lean" (gradient_as_bucket_view), "ddp"
+    world: int
+    accumulate: int
+
+    @property
+    def id(self) -> str:
+        return f"{self.kind}-{self.world}ranks-accumulate{self.accumulate}"
+
+
+RUNS = [
+    Run("syncline", 2, 1),
+    Run("ddp", 2, 1),
+    Run("syncline", 4, 1),
+    Run("syncline", 2, 2),
+    Run("syncline-lean", 2, 2),
+]
 
 
 def _wrap(kind: str, model: torch.nn.Module, name: str) -> torch.nn.Module:
@@ -51,7 +75,7 @@ def _train_rank(
 ) -> dict[str, dict]:
     out: dict[str, dict] = {"tuning": {}}
     for name in CASES:
-        model = toy_models.make(name)
+        model = toy_model(name)
         dp = _wrap(kind, model, name)
         opt = torch.optim.SGD([p for p in dp.parameters() if p.requires_grad], LR, MOMENTUM)
         local = GLOBAL_BATCH // world
@@ -60,7 +84,7 @@ def _train_rank(
             opt.zero_grad()
             micro = local // accumulate
             for k in range(accumulate):
-                x, y = toy_models.batch(name, step, GLOBAL_BATCH)
+                x, y = toy_batch(name, step, GLOBAL_BATCH)
                 lo = rank * local + k * micro
                 xs, ys = x[lo : lo + micro], y[lo : lo + micro]
                 if k < accumulate - 1:
@@ -83,13 +107,13 @@ def _reference(
     Rank 0's BatchNorm buffers are what DDP-style buffer broadcast keeps, so only shard 0
     updates the running statistics; the other shards run on a throw-away copy.
     """
-    model = toy_models.make(name)
+    model = toy_model(name)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], LR, MOMENTUM)
     local = GLOBAL_BATCH // world
     for step in range(steps):
         model.step = step
         opt.zero_grad()
-        x, y = toy_models.batch(name, step, GLOBAL_BATCH)
+        x, y = toy_batch(name, step, GLOBAL_BATCH)
         micro = local // accumulate
         for r in range(world):
             for k in range(accumulate):
@@ -105,17 +129,8 @@ def _reference(
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[tuple[str, int, int], list[dict]]:
-    runs = {}
-    for kind, world, accumulate in [
-        ("syncline", 2, 1),
-        ("ddp", 2, 1),
-        ("syncline", 4, 1),
-        ("syncline", 2, 2),
-        ("syncline-lean", 2, 2),
-    ]:
-        runs[(kind, world, accumulate)] = run_ranks(_train_rank, world, kind, accumulate)
-    return runs
+def results() -> dict[Run, list[dict]]:
+    return {run: run_ranks(_train_rank, run.world, run.kind, run.accumulate) for run in RUNS}
 
 
 def _assert_state_equal(got: dict, want: dict, buffers_too: bool) -> None:
@@ -126,24 +141,14 @@ def _assert_state_equal(got: dict, want: dict, buffers_too: bool) -> None:
 
 
 @pytest.mark.parametrize("name", CASES)
-@pytest.mark.parametrize(
-    "run",
-    [
-        ("syncline", 2, 1),
-        ("ddp", 2, 1),
-        ("syncline", 4, 1),
-        ("syncline", 2, 2),
-        ("syncline-lean", 2, 2),
-    ],
-)
-def test_matches_single_process(results, run, name) -> None:
-    _kind, world, accumulate = run
-    want = _reference(name, world, accumulate)
+@pytest.mark.parametrize("run", RUNS, ids=lambda run: run.id)
+def test_matches_single_process(results, run: Run, name: str) -> None:
+    want = _reference(name, run.world, run.accumulate)
     per_rank = results[run]
     for rank, states in enumerate(per_rank):
         _assert_state_equal(states[name], want, buffers_too=rank == 0)
     # the reference really moved: a no-op engine could not pass
-    start = toy_models.make(name).state_dict()
+    start = toy_model(name).state_dict()
     moved = [k for k in start if "weight" in k and not torch.equal(start[k], want[k])]
     assert moved
 
@@ -166,14 +171,14 @@ def test_bucket_tuning_matches_single_process() -> None:
 
 
 def test_training_moves_frozen_nothing(results) -> None:
-    start = toy_models.make("frozen").state_dict()
-    for states in results[("syncline", 2, 1)]:
+    start = toy_model("frozen").state_dict()
+    for states in results[Run("syncline", 2, 1)]:
         assert torch.equal(states["frozen"]["a.weight"], start["a.weight"])
 
 
 def _unused_without_flag(rank: int, world: int) -> None:
-    model = DataParallel(toy_models.make("unused"))
-    x, y = toy_models.batch("unused", 0, 4)
+    model = DataParallel(toy_model("unused"))
+    x, y = toy_batch("unused", 0, 4)
     F.cross_entropy(model(x), y).backward()
 
 

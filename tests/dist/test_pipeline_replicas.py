@@ -1,9 +1,10 @@
 """Pipelines x data-parallel replicas on 4 gloo ranks (2 stages x 2 replicas) == one process
 on the whole batch (2BW: the stale rule); fp16 REDUCE close to the dense one; bad groups fail.
 
-One spawn runs every case. Each replica trains on its half of every global batch of
-``test_pipeline_parity``, whose single-process references (the unsplit model on the whole
-batch) are reused, so the averaged gradients must equal the whole batch's. The last case
+One spawn runs every case of the schedule zoo (``tests.zoo.schedules.REPLICAS``). Each replica
+trains on its half of every global batch of the model zoo's ``lm_batches``, whose
+single-process references (the unsplit model on the whole batch) are the pipeline parity
+tests' too, so the averaged gradients must equal the whole batch's. The last case
 breaks the groups on purpose (a replica that starts late), so it runs last.
 """
 
@@ -21,50 +22,34 @@ from syncline.errors import CommError, ConfigError
 from syncline.models import lm_loss
 from syncline.pipeline import Pipeline, StageError
 from syncline.testing import run_ranks
-from tests.dist.test_pipeline_parity import STEPS, _data, _gpt, _optimizer, _reference
+from tests.zoo import schedules
+from tests.zoo.models import LM_STEPS, lm_batches, tiny_gpt
 
 WORLD, DEPTH = 4, 2
 WIDTH = WORLD // DEPTH
-
-# name -> (schedule, microbatches, balance, stages, compression)
-CASES = {
-    "gpipe": ("gpipe", 2, [2, 2], 2, None),
-    "1f1b": ("1f1b", 2, [2, 2], 2, None),
-    "2bw": ("2bw", 2, [1, 3], 2, None),
-    "2bw-fp16": ("2bw", 2, [1, 3], 2, "fp16"),
-    "1f1b-powersgd": ("1f1b", 2, [2, 2], 2, "powersgd"),
-    "interleaved": ("interleaved", 2, [1, 1, 1, 1], 4, None),
-    "1f1b-profiled": ("1f1b", 2, None, 2, None),  # each pipeline profiles: the first's wins
-}
+CASES = schedules.REPLICAS
 
 
 def _shard(replica: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This replica's half of every global batch."""
     out = []
-    for x, y in _data():
+    for x, y in lm_batches():
         n = x.shape[0] // WIDTH
         out.append((x[replica * n : (replica + 1) * n], y[replica * n : (replica + 1) * n]))
     return out
 
 
 def _train(name: str, pipe_group: comm.Group, dp_group: comm.Group) -> dict:
-    schedule, m, balance, stages, compression = CASES[name]
-    pipe = Pipeline(
-        _gpt(),
-        num_stages=stages,
-        num_microbatches=m,
-        schedule=schedule,
-        loss_fn=lm_loss,
-        optimizer=_optimizer("sgd"),
-        balance=balance,
+    case = CASES[name]
+    pipe = case.pipeline(
         process_group=pipe_group,
         data_parallel_group=dp_group,
-        compression={"fp16": FP16(), "powersgd": PowerSGD(rank=1)}.get(compression or ""),
+        compression={"fp16": FP16(), "powersgd": PowerSGD(rank=1)}.get(case.compression or ""),
         timeout_s=30,
     )
     batches = iter(_shard(comm.group_rank(dp_group)))
-    losses = [pipe.train_step(batches) for _ in range(STEPS - 1)]
-    losses.append(pipe.flush() if schedule == "2bw" else pipe.train_step(batches))
+    losses = [pipe.train_step(batches) for _ in range(LM_STEPS - 1)]
+    losses.append(pipe.flush() if case.schedule == "2bw" else pipe.train_step(batches))
     return {
         "state": pipe.local_state_dict(),
         "losses": losses,
@@ -94,11 +79,11 @@ def _bad_layouts(pipe_group: comm.Group, dp_group: comm.Group) -> list[str]:
 
 def _train_with(timeout_s: float = 30.0, **groups: comm.Group) -> Pipeline:
     return Pipeline(
-        _gpt(),
+        tiny_gpt(),
         num_stages=2,
         num_microbatches=2,
         loss_fn=lm_loss,
-        optimizer=_optimizer("sgd"),
+        optimizer=schedules.optimizer("sgd"),
         balance=[2, 2],
         timeout_s=timeout_s,
         **groups,
@@ -152,10 +137,9 @@ def test_groups_put_replicas_of_a_stage_on_consecutive_ranks(per_rank) -> None:
     ]
 
 
-@pytest.mark.parametrize("name", [n for n in CASES if CASES[n][4] is None])
+@pytest.mark.parametrize("name", [n for n, case in CASES.items() if case.compression is None])
 def test_replicas_match_one_process_on_the_whole_batch(per_rank, name: str) -> None:
-    schedule = CASES[name][0]
-    want_state, want_losses = _reference("2bw" if schedule == "2bw" else "1f1b", "sgd")
+    want_state, want_losses = CASES[name].reference()
     for replica in range(WIDTH):
         state = _merged(per_rank, name, replica)
         assert set(state) == set(want_state), name

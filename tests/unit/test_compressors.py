@@ -20,6 +20,7 @@ from syncline.dp.compressors import chunks as ch
 from syncline.dp.compressors.powersgd import is_worth_compressing, matrix_shape, plan_matrices
 from syncline.dp.compressors.topk import top_indices, topk_count
 from syncline.errors import ConfigError
+from tests.zoo.ids import kwargs_id
 
 COMM = FlatAllreduce()
 
@@ -119,7 +120,9 @@ def test_pack_unpack_round_trip(numel: int, chunk: int, density: float, seed: in
 
 
 # -- half width ------------------------------------------------------------------------
-@pytest.mark.parametrize(("comp", "rel"), [(FP16(), 2.0**-11), (BF16(), 2.0**-8)])
+@pytest.mark.parametrize(
+    ("comp", "rel"), [(FP16(), 2.0**-11), (BF16(), 2.0**-8)], ids=["fp16", "bf16"]
+)
 def test_half_width_round_trip_within_precision(comp, rel: float) -> None:
     g = _grad(0, 1000)
     out = _reduce(comp, g)
@@ -365,19 +368,24 @@ MLP_LAYOUT: Layout = ((0, (32, 16)), (512, (32,)), (544, (4, 32)), (672, (4,)))
     [
         # a 32x16 weight is compressed; its bias, the 4x32 head (2*36*2 >= 128) and the
         # head's bias are sent dense, merged into one range
-        (676, MLP_LAYOUT, 2, [(0, 32, 16, 2, 0, 0)], [(512, 676)]),
-        (
+        pytest.param(676, MLP_LAYOUT, 2, [(0, 32, 16, 2, 0, 0)], [(512, 676)], id="mlp-rank2"),
+        pytest.param(
             676,
             MLP_LAYOUT,
             1,
             [(0, 32, 16, 1, 0, 0), (544, 4, 32, 1, 32, 16)],
             [(512, 544), (672, 676)],
+            id="mlp-rank1",
         ),
         # a conv kernel is viewed as out_channels x (in * kh * kw)
-        (224, ((0, (8,)), (8, (8, 3, 3, 3))), 1, [(8, 8, 27, 1, 0, 0)], [(0, 8)]),
-        (5, ((0, ()), (1, (4,))), 1, [], [(0, 5)]),  # a scalar and a vector
-        (900, (), 2, [(0, 30, 30, 2, 0, 0)], []),  # a bare buffer: one near-square matrix
-        (10, (), 1, [], [(0, 10)]),  # 3x4 is too small to gain from rank 1 at rate 2
+        pytest.param(
+            224, ((0, (8,)), (8, (8, 3, 3, 3))), 1, [(8, 8, 27, 1, 0, 0)], [(0, 8)], id="conv"
+        ),
+        pytest.param(5, ((0, ()), (1, (4,))), 1, [], [(0, 5)], id="scalar-and-vector"),
+        # a bare buffer: one near-square matrix
+        pytest.param(900, (), 2, [(0, 30, 30, 2, 0, 0)], [], id="bare-buffer"),
+        # 3x4 is too small to gain from rank 1 at rate 2
+        pytest.param(10, (), 1, [], [(0, 10)], id="bare-buffer-too-small"),
     ],
 )
 def test_plan_matrices_table(numel, layout, rank, matrices, dense) -> None:
@@ -472,12 +480,13 @@ def _fresh(spec: str):
 @pytest.mark.parametrize(
     ("spec", "layouts"),
     [
-        ("csc:0.3", ((), ())),
-        ("topk:0.1", ((), ())),
-        ("powersgd:2", ((), ())),
-        ("powersgd:1", (MLP_LAYOUT, ((0, (19, 3)),))),  # per tensor, and a dense bucket
-        ("fp16", ((), ())),
-        ("bf16", ((), ())),
+        pytest.param("csc:0.3", ((), ()), id="csc:0.3"),
+        pytest.param("topk:0.1", ((), ()), id="topk:0.1"),
+        pytest.param("powersgd:2", ((), ()), id="powersgd:2"),
+        # per tensor, and a dense bucket
+        pytest.param("powersgd:1", (MLP_LAYOUT, ((0, (19, 3)),)), id="powersgd:1-per-tensor"),
+        pytest.param("fp16", ((), ()), id="fp16"),
+        pytest.param("bf16", ((), ()), id="bf16"),
     ],
 )
 def test_state_dict_round_trip_continues_bit_identically(spec: str, layouts: tuple) -> None:
@@ -510,21 +519,26 @@ def test_state_of_another_layout_is_refused() -> None:
 
 
 # -- specs and validation --------------------------------------------------------------
+# (spec, the class it builds, attributes of the built compressor)
+SPECS = [
+    ("none", NoCompression, {}),
+    ("fp16", FP16, {"name": "fp16"}),
+    ("BF16", BF16, {"name": "bf16"}),
+    ("csc:0.01", CSC, {"density": 0.01, "warmup_steps": 0, "chunk_elems": 32768}),
+    ("csc:0.01:warmup=50", CSC, {"density": 0.01, "warmup_steps": 50}),
+    ("csc:0.05:chunk=1024:momentum=0.5", CSC, {"chunk_elems": 1024, "momentum": 0.5}),
+    ("csc:0.01:warmup=50:ramp=exp", CSC, {"warmup_steps": 50, "ramp": "exp"}),
+    ("csc:0.01", CSC, {"ramp": "dense"}),
+    ("topk:0.01", TopK, {"ratio": 0.01, "name": "topk"}),
+    ("powersgd:4", PowerSGD, {"rank": 4, "warmup_steps": 0, "name": "powersgd"}),
+    ("powersgd:2:warmup=10", PowerSGD, {"rank": 2, "warmup_steps": 10}),
+]
+
+
 @pytest.mark.parametrize(
     ("spec", "cls", "attrs"),
-    [
-        ("none", NoCompression, {}),
-        ("fp16", FP16, {"name": "fp16"}),
-        ("BF16", BF16, {"name": "bf16"}),
-        ("csc:0.01", CSC, {"density": 0.01, "warmup_steps": 0, "chunk_elems": 32768}),
-        ("csc:0.01:warmup=50", CSC, {"density": 0.01, "warmup_steps": 50}),
-        ("csc:0.05:chunk=1024:momentum=0.5", CSC, {"chunk_elems": 1024, "momentum": 0.5}),
-        ("csc:0.01:warmup=50:ramp=exp", CSC, {"warmup_steps": 50, "ramp": "exp"}),
-        ("csc:0.01", CSC, {"ramp": "dense"}),
-        ("topk:0.01", TopK, {"ratio": 0.01, "name": "topk"}),
-        ("powersgd:4", PowerSGD, {"rank": 4, "warmup_steps": 0, "name": "powersgd"}),
-        ("powersgd:2:warmup=10", PowerSGD, {"rank": 2, "warmup_steps": 10}),
-    ],
+    SPECS,
+    ids=[f"{spec}-{kwargs_id(attrs)}" if attrs else spec for spec, _, attrs in SPECS],
 )
 def test_build_compressor_parses_specs(spec: str, cls: type, attrs: dict) -> None:
     comp = build_compressor(spec)
@@ -555,28 +569,29 @@ def test_build_compressor_errors_list_valid_forms(spec: str, why: str) -> None:
     assert "valid forms: none, fp16, bf16, csc:DENSITY" in str(info.value)
 
 
-@pytest.mark.parametrize(
-    ("make", "message"),
-    [
-        (lambda: CSC(0.0), "density=0.0 is out of range; valid: 0.0 < density <= 1.0"),
-        (lambda: CSC(1.5), "density=1.5 is out of range"),
-        (lambda: CSC(math.nan), "density=nan is out of range"),
-        (lambda: CSC(0.1, chunk_elems=0), "chunk_elems=0 is out of range; valid: chunk_elems >= 1"),
-        (lambda: CSC(0.1, warmup_steps=-1), "warmup_steps=-1 is out of range"),
-        (
-            lambda: CSC(0.1, momentum=1.0),
-            "momentum=1.0 is out of range; valid: 0.0 <= momentum < 1",
-        ),
-        (lambda: CSC(0.1, momentum=-0.1), "momentum=-0.1 is out of range"),
-        (lambda: CSC(0.1, wire_dtype=torch.int8), "wire_dtype=torch.int8 is not supported"),
-        (lambda: CSC(0.1, ramp="linear"), "CSC: ramp='linear' is not supported; valid: dense, exp"),
-        (lambda: CSC("0.1"), "density='0.1' must be a number"),  # type: ignore[arg-type]
-        (lambda: TopK(0.0), "TopK: ratio=0.0 is out of range; valid: 0.0 < ratio <= 1.0"),
-        (lambda: PowerSGD(rank=0), "PowerSGD: rank=0 is out of range; valid: rank >= 1"),
-        (lambda: PowerSGD(warmup_steps=-2), "warmup_steps=-2 is out of range"),
-        (lambda: build_compressor("csc:2"), "CSC: density=2.0 is out of range"),
-    ],
-)
+# (a call that must raise ConfigError, what its message contains)
+INVALID = [
+    (lambda: CSC(0.0), "density=0.0 is out of range; valid: 0.0 < density <= 1.0"),
+    (lambda: CSC(1.5), "density=1.5 is out of range"),
+    (lambda: CSC(math.nan), "density=nan is out of range"),
+    (lambda: CSC(0.1, chunk_elems=0), "chunk_elems=0 is out of range; valid: chunk_elems >= 1"),
+    (lambda: CSC(0.1, warmup_steps=-1), "warmup_steps=-1 is out of range"),
+    (
+        lambda: CSC(0.1, momentum=1.0),
+        "momentum=1.0 is out of range; valid: 0.0 <= momentum < 1",
+    ),
+    (lambda: CSC(0.1, momentum=-0.1), "momentum=-0.1 is out of range"),
+    (lambda: CSC(0.1, wire_dtype=torch.int8), "wire_dtype=torch.int8 is not supported"),
+    (lambda: CSC(0.1, ramp="linear"), "CSC: ramp='linear' is not supported; valid: dense, exp"),
+    (lambda: CSC("0.1"), "density='0.1' must be a number"),  # type: ignore[arg-type]
+    (lambda: TopK(0.0), "TopK: ratio=0.0 is out of range; valid: 0.0 < ratio <= 1.0"),
+    (lambda: PowerSGD(rank=0), "PowerSGD: rank=0 is out of range; valid: rank >= 1"),
+    (lambda: PowerSGD(warmup_steps=-2), "warmup_steps=-2 is out of range"),
+    (lambda: build_compressor("csc:2"), "CSC: density=2.0 is out of range"),
+]
+
+
+@pytest.mark.parametrize(("make", "message"), INVALID, ids=[message for _, message in INVALID])
 def test_invalid_arguments_name_the_value_and_range(make, message: str) -> None:
     with pytest.raises(ConfigError, match=None) as info:
         make()

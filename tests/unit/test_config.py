@@ -6,28 +6,37 @@ import re
 
 import pytest
 
-from syncline.config import CNN_LAYERS, DataParallelConfig, TrainConfig
+from syncline.dp.config import DataParallelConfig
 from syncline.errors import ConfigError
 from syncline.models import build_model
+from syncline.train.config import TrainConfig
 from syncline.train.trainer import lr_at
+from tests.zoo.ids import kwargs_id
+
+# (TrainConfig keyword arguments, what the ConfigError says)
+TRAIN_ERRORS = [
+    ({"model": "resnet9000"}, "model='resnet9000' is unknown; valid: gpt, cnn"),
+    ({"data": "imagenet"}, "data='imagenet' does not fit model 'gpt'"),
+    ({"batch_size": 0}, "batch_size=0 must be a positive integer"),
+    ({"steps": -3}, "steps=-3"),
+    ({"batch_size": 30, "nproc_per_node": 4}, "batch_size=30 is not divisible"),
+    ({"lr": 0.0}, "lr=0.0 must be > 0"),
+    (
+        {"model_options": {"n_embd": 100, "n_head": 3}},
+        "n_embd=100 is not divisible by n_head=3",
+    ),
+    ({"model_options": {"n_layers": 2}}, "unknown option 'n_layers' for model 'gpt'"),
+    ({"model_options": {"n_layer": "two"}}, "n_layer='two' of model 'gpt' is not a valid int"),
+    ({"nnodes": 2}, "needs --rdzv-endpoint"),
+    ({"node_rank": 3}, "node_rank=3"),
+    ({"optimizer": "lion"}, "optimizer='lion'"),
+    ({"inject_failure": "x"}, "RANK:STEP"),
+    ({"inject_failure": "5:1"}, "rank must be in"),
+]
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        ({"model": "resnet9000"}, "unknown model 'resnet9000'; valid: gpt, cnn"),
-        ({"data": "imagenet"}, "data='imagenet' does not fit model 'gpt'"),
-        ({"batch_size": 0}, "batch_size=0 must be a positive integer"),
-        ({"steps": -3}, "steps=-3"),
-        ({"batch_size": 30, "nproc_per_node": 4}, "batch_size=30 is not divisible"),
-        ({"lr": 0.0}, "lr=0.0 must be > 0"),
-        ({"n_embd": 100, "n_head": 3}, "n_embd=100 must be divisible by n_head=3"),
-        ({"nnodes": 2}, "needs --rdzv-endpoint"),
-        ({"node_rank": 3}, "node_rank=3"),
-        ({"optimizer": "lion"}, "optimizer='lion'"),
-        ({"inject_failure": "x"}, "RANK:STEP"),
-        ({"inject_failure": "5:1"}, "rank must be in"),
-    ],
+    ("kwargs", "match"), TRAIN_ERRORS, ids=[kwargs_id(k) for k, _ in TRAIN_ERRORS]
 )
 def test_train_config_errors(kwargs, match) -> None:
     with pytest.raises(ConfigError, match=match.replace("(", r"\(")):
@@ -58,35 +67,38 @@ def test_lr_schedule_warms_up_then_decays() -> None:
 PIPE = {"pipeline_stages": 2}
 
 
+# (TrainConfig keyword arguments, what the ConfigError says)
+PIPELINE_ERRORS = [
+    ({"pipeline_stages": 0}, "pipeline_stages=0 must be a positive integer"),
+    ({"pipeline_stages": 7}, "pipeline_stages=7 needs 7 stages but the gpt model has 6"),
+    (
+        {**PIPE, "model_options": {"n_layer": 1}, "schedule": "interleaved"},
+        "needs 4 stages but the gpt model has 3",
+    ),
+    ({"model": "cnn", "pipeline_stages": 6, "nproc_per_node": 6}, "cnn model has 5 layers"),
+    ({"pipeline_stages": 3}, "pipeline_stages=3 does not divide the 2 ranks"),
+    (
+        {**PIPE, "nproc_per_node": 4, "batch_size": 20},
+        "batch_size=20 over 2 replica(s) does not split into microbatches=4",
+    ),
+    ({**PIPE, "batch_size": 30}, "batch_size=30 over 1 replica(s) does not split into micro"),
+    ({**PIPE, "microbatches": 0}, "microbatches=0 must be a positive integer"),
+    ({**PIPE, "schedule": "2bw", "microbatches": 1}, "microbatches=1 must be >= pipeline_st"),
+    ({**PIPE, "schedule": "interleaved", "microbatches": 3, "batch_size": 6}, "multiple of"),
+    ({**PIPE, "schedule": "zigzag"}, "schedule='zigzag' is unknown; valid: gpipe, 1f1b, 2bw"),
+    ({**PIPE, "balance": (1, 1)}, "balance=[1, 1] sums to 2 layers but the module has 6"),
+    ({**PIPE, "balance": (6,)}, "balance=[6] has 1 stages; valid: 2 entries"),
+    ({**PIPE, "balance": (0, 6)}, "balance=[0, 6] is invalid"),
+    ({**PIPE, "compression": "fp16"}, "compression='fp16' compresses the gradient allreduce"),
+    ({**PIPE, "allreduce": "hierarchical"}, "allreduce='hierarchical' does not combine"),
+    ({"schedule": "gpipe"}, "need pipeline_stages > 1 (got pipeline_stages=1)"),
+    ({"microbatches": 4}, "need pipeline_stages > 1"),
+    ({"recompute": True}, "need pipeline_stages > 1"),
+]
+
+
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        ({"pipeline_stages": 0}, "pipeline_stages=0 must be a positive integer"),
-        ({"pipeline_stages": 7}, "pipeline_stages=7 needs 7 stages but the gpt model has 6"),
-        (
-            {**PIPE, "n_layer": 1, "schedule": "interleaved"},
-            "needs 4 stages but the gpt model has 3",
-        ),
-        ({"model": "cnn", "pipeline_stages": 6, "nproc_per_node": 6}, "cnn model has 5 layers"),
-        ({"pipeline_stages": 3}, "pipeline_stages=3 does not divide the 2 ranks"),
-        (
-            {**PIPE, "nproc_per_node": 4, "batch_size": 20},
-            "batch_size=20 over 2 replica(s) does not split into microbatches=4",
-        ),
-        ({**PIPE, "batch_size": 30}, "batch_size=30 over 1 replica(s) does not split into micro"),
-        ({**PIPE, "microbatches": 0}, "microbatches=0 must be a positive integer"),
-        ({**PIPE, "schedule": "2bw", "microbatches": 1}, "microbatches=1 must be >= pipeline_st"),
-        ({**PIPE, "schedule": "interleaved", "microbatches": 3, "batch_size": 6}, "multiple of"),
-        ({**PIPE, "schedule": "zigzag"}, "schedule='zigzag' is unknown; valid: gpipe, 1f1b, 2bw"),
-        ({**PIPE, "balance": (1, 1)}, "balance=[1, 1] sums to 2 layers but the module has 6"),
-        ({**PIPE, "balance": (6,)}, "balance=[6] has 1 stages; valid: 2 entries"),
-        ({**PIPE, "balance": (0, 6)}, "balance=[0, 6] is invalid"),
-        ({**PIPE, "compression": "fp16"}, "compression='fp16' compresses the gradient allreduce"),
-        ({**PIPE, "allreduce": "hierarchical"}, "allreduce='hierarchical' does not combine"),
-        ({"schedule": "gpipe"}, "need pipeline_stages > 1 (got pipeline_stages=1)"),
-        ({"microbatches": 4}, "need pipeline_stages > 1"),
-        ({"recompute": True}, "need pipeline_stages > 1"),
-    ],
+    ("kwargs", "match"), PIPELINE_ERRORS, ids=[kwargs_id(k) for k, _ in PIPELINE_ERRORS]
 )
 def test_pipeline_config_errors(kwargs, match) -> None:
     with pytest.raises(ConfigError, match=re.escape(match)):
@@ -104,7 +116,7 @@ def test_pipeline_defaults_resolve_on_creation_and_round_trip_through_json() -> 
 
 
 def test_model_layers_match_the_models_that_are_built() -> None:
-    """config.py stays free of torch, so it states the layer counts; they must be right."""
-    assert len(build_model("cnn")) == CNN_LAYERS == TrainConfig(model="cnn").model_layers
+    """The registry states the layer counts without building (no torch); they must be right."""
+    assert len(build_model("cnn")) == 5 == TrainConfig(model="cnn").model_layers
     gpt = build_model("gpt", n_layer=3, n_embd=32)
-    assert len(gpt) == TrainConfig(n_layer=3, n_embd=32).model_layers
+    assert len(gpt) == TrainConfig(model_options={"n_layer": 3, "n_embd": 32}).model_layers

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import sysconfig
 import textwrap
 from pathlib import Path
@@ -13,6 +11,7 @@ import torch
 
 from syncline.data import ByteDataset, stdlib_corpus, stdlib_files
 from syncline.errors import ConfigError
+from tests.zoo.fresh import run_python
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
@@ -84,7 +83,7 @@ def test_import_does_no_work() -> None:
         assert walked  # the probe does see a walk
         """
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    run_python(code)
 
 
 def test_pairs_are_shifted_windows() -> None:

@@ -11,7 +11,7 @@ from torch import nn
 from syncline.data import ShardedBatches, TensorPairDataset, digits_dataset, synthetic_images
 from syncline.errors import ConfigError
 from syncline.models import (
-    MODEL_NAMES,
+    MODELS,
     CNNConfig,
     build_cnn,
     build_model,
@@ -111,7 +111,7 @@ def test_config_rejects_bad_values(field: str, value: object) -> None:
 
 
 def test_registry_builds_each_model_with_overrides() -> None:
-    assert MODEL_NAMES == ("gpt", "cnn")
+    assert MODELS.names()[:2] == ("gpt", "cnn")
     gpt = build_model("gpt", n_layer=1, n_embd=32, block_size=8)
     assert len(gpt) == 3
     assert gpt(torch.zeros(2, 8, dtype=torch.long)).shape == (2, 8, 256)
@@ -124,8 +124,8 @@ def test_registry_builds_each_model_with_overrides() -> None:
 def test_registry_rejects_unknown_names() -> None:
     with pytest.raises(ConfigError) as err:
         build_model("x")
-    assert str(err.value) == "unknown model 'x'; valid: gpt, cnn"
-    with pytest.raises(ConfigError, match="unknown model 'resnet'"):
+    assert str(err.value) == "model='x' is unknown; valid: gpt, cnn"
+    with pytest.raises(ConfigError, match="model='resnet' is unknown"):
         model_loss("resnet")
     with pytest.raises(ConfigError, match="unknown option 'layers' for model 'gpt'; valid: "):
         build_model("gpt", layers=2)

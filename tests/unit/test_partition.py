@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import subprocess
-import sys
 
 import pytest
 from hypothesis import given, settings
@@ -12,6 +10,7 @@ from hypothesis import strategies as st
 
 from syncline.errors import ConfigError
 from syncline.partition import balance, balance_with_memory, check_balance, stage_bounds
+from tests.zoo.fresh import run_python
 
 
 @pytest.mark.parametrize(
@@ -135,7 +134,7 @@ def test_check_balance(split: list[int], match: str) -> None:
 
 def test_partition_does_not_import_torch() -> None:
     code = "import sys, syncline.partition; assert 'torch' not in sys.modules, 'torch was loaded'"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    run_python(code)
 
 
 def test_balance_is_fast_enough_for_deep_models() -> None:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import doctest
 import importlib
-import subprocess
-import sys
 
 import pytest
 from hypothesis import given
@@ -13,6 +11,7 @@ from hypothesis import strategies as st
 
 from syncline.schedule import Action, ActionKind, Schedule, ScheduleError, parse_action
 from syncline.schedule.ir import PER_STAGE
+from tests.zoo.fresh import run_python
 
 K = ActionKind
 
@@ -110,7 +109,7 @@ def test_import_does_not_load_torch() -> None:
         "syncline.schedule.validate(syncline.schedule.two_bw(3, 4, 2))\n"
         "assert 'torch' not in sys.modules, 'syncline.schedule imported torch'\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    run_python(code)
 
 
 @pytest.mark.parametrize("name", ["__init__", "generators", "ir", "passes", "render", "validate"])

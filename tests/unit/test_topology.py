@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import pathlib
-import subprocess
-import sys
 
 import pytest
 from hypothesis import given
@@ -19,6 +17,7 @@ from syncline.comm.topology import (
     ring_allreduce_time,
 )
 from syncline.errors import ConfigError
+from tests.zoo.fresh import run_python
 
 
 def _table(topo: Topology) -> list[tuple[int, int, int]]:
@@ -186,4 +185,4 @@ def test_topology_module_does_not_import_torch() -> None:
         "assert mod.Topology(4, 2).num_nodes == 2\n"
         "assert 'torch' not in sys.modules, 'torch was loaded'\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    run_python(code)

@@ -19,7 +19,16 @@ Example:
 from syncline.dp.compressors.csc import CSC
 from syncline.dp.compressors.halfwidth import BF16, FP16
 from syncline.dp.compressors.powersgd import PowerSGD
-from syncline.dp.compressors.spec import FORMS, build_compressor
 from syncline.dp.compressors.topk import TopK
+from syncline.dp.registry import COMPRESSORS, CompressorSpec, build_compressor
 
-__all__ = ["BF16", "CSC", "FORMS", "FP16", "PowerSGD", "TopK", "build_compressor"]
+__all__ = [
+    "BF16",
+    "COMPRESSORS",
+    "CSC",
+    "FP16",
+    "CompressorSpec",
+    "PowerSGD",
+    "TopK",
+    "build_compressor",
+]

@@ -18,7 +18,8 @@ def num_chunks(numel: int, chunk_elems: int) -> int:
 
 
 def chunks_to_send(density: float, n_chunks: int) -> int:
-    """``ceil(density * n_chunks)``, at least 1 and at most ``n_chunks`` (REFERENCE.md step 3).
+    """``ceil(density * n_chunks)``, at least 1 and at most ``n_chunks`` (GradientFlow's
+    coarse-grained sparse communication, Sun et al. 2019).
 
     A relative slack of 1e-9 keeps float noise from adding a chunk: ``0.07 * 100`` is
     ``7.000000000000001`` in binary floating point, and should select 7 chunks, not 8.
@@ -32,7 +33,7 @@ def chunk_scores(v: torch.Tensor, chunk_elems: int) -> torch.Tensor:
 
     The full chunks are a ``(N, C)`` view reduced row by row, the short last chunk (if any) on
     its own: no padded copy of ``v``. (``abs().sum`` is used rather than
-    ``linalg.vector_norm(ord=1)``, which measured 5x slower on CPU in torch 2.13.)
+    ``linalg.vector_norm(ord=1)``, which is several times slower on CPU.)
     """
     full, tail = divmod(v.numel(), chunk_elems)
     body = v.detach()[: full * chunk_elems].view(full, chunk_elems)

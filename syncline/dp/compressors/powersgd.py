@@ -9,7 +9,7 @@ step's ``Q`` makes one iteration per step enough.
 Why per tensor: a weight's gradient is close to low rank *as a matrix of that weight* (rows =
 output features). Viewing a whole flat bucket (many weights glued end to end) as one square
 matrix mixes unrelated rows, so its rank-r approximation is poor; with momentum SGD that made
-training diverge on the benchmark GPT (final loss 22 % worse than uncompressed).
+training diverge on the benchmark GPT (see ``benchmarks/results/NOTES.md``).
 
 Per bucket (``M_i`` = parameter ``i``'s slice of ``g + residual`` viewed as
 ``shape[0] x prod(shape[1:])``; only matrices where ``r*(a+b)*min_compression_rate < a*b``)::
@@ -179,6 +179,7 @@ class PowerSGD:
     """
 
     name = "powersgd"
+    stateless = False  # residuals/factors per bucket: the buckets must not be re-cut
 
     def __init__(
         self,

@@ -7,7 +7,7 @@ cost nothing), the real bucket layout of the default GPT (same plan and per-para
 as :class:`syncline.DataParallel` builds), fresh random gradients every step, and the median
 wall time of ``reduce`` + ``wait`` over every bucket of a step.
 
-    python benchmarks/compressor_cost.py --steps 30 --out benchmarks/results/compressor_cost.json
+    python -m benchmarks.compressor_cost --steps 30 --out benchmarks/results/compressor_cost.json
 
 Numbers are for same-run comparison: absolute times depend on the machine and its load.
 """
@@ -15,9 +15,7 @@ Numbers are for same-run comparison: absolute times depend on the machine and it
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,10 +23,12 @@ from typing import Any
 import torch
 
 from syncline.comm.collectives import FlatAllreduce
-from syncline.config import DataParallelConfig, TrainConfig
 from syncline.dp.buckets import plan_buckets
 from syncline.dp.compression import BucketRef
 from syncline.dp.compressors import build_compressor
+from syncline.dp.config import DataParallelConfig
+from syncline.testing.bench import write_json
+from syncline.train.config import TrainConfig
 from syncline.train.trainer import build_model_for
 
 SPECS = (
@@ -60,7 +60,7 @@ def _buckets(model: torch.nn.Module) -> list[tuple[int, int, Any]]:
 
 def _ref(index: int, step: int, layout: Any) -> BucketRef:
     try:
-        return BucketRef(index, step, layout)  # type: ignore[call-arg]
+        return BucketRef(index, step, layout)
     except TypeError:  # a syncline from before BucketRef carried layouts (for "before" runs)
         return BucketRef(index, step)
 
@@ -88,7 +88,9 @@ def time_spec(spec: str, buckets: list[tuple[int, int, Any]], steps: int, warmup
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.compressor_cost", description=(__doc__ or "").splitlines()[0]
+    )
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (a rank's share)")
@@ -111,9 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         r = result["specs"][spec]
         print(f"{spec:22s} median {r['median_ms']:7.2f} ms  min {r['min_ms']:7.2f} ms", flush=True)
     if a.out is not None:
-        a.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(a.out, result, indent=2)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit("run it from the repository root as: python -m benchmarks.compressor_cost")

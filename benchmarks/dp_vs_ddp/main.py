@@ -2,16 +2,16 @@
 
 For each model (GPT on the stdlib corpus, CNN on sklearn digits), 2 gloo ranks hold two copies
 trained by each engine (built in ABBA order, since where a model's memory lands moves its step
-time by 1-3 %) and alternate the engines *step by step* (ABBA order over pairs, so neither
-engine always runs first); every step starts from a barrier and is timed alone. A pair is one
-step of each copy of each engine on the same batch (an engine's time: the mean of its two
-copies); the report gives the median samples/s of each engine,
-their ratio, the median of the per-pair ratios, and the main thread's CPU time per step (a
-figure that other load on the machine disturbs far less than wall time). Interleaving single
-steps, rather than segments of many, keeps slow drift of a shared machine (other processes,
-frequency changes) out of the ratio. Separately, the gradient buffer's bucketed allreduce
-through syncline is timed against one raw gloo allreduce of a buffer of the same size (the
-limit), as bus bandwidth: busbw = n/T * 2(p-1)/p.
+time by a few per cent) and alternate the engines *step by step* (ABBA order over pairs, so
+neither engine always runs first); every step starts from a barrier and is timed alone. A pair
+is one step of each copy of each engine on the same batch (an engine's time: the mean of its
+two copies); the report gives the median samples/s of each engine, their ratio, the median of
+the per-pair ratios, and the main thread's CPU time per step (a figure that other load on the
+machine disturbs far less than wall time). Interleaving single steps, rather than segments of
+many, keeps slow drift of a shared machine (other processes, frequency changes) out of the
+ratio. Separately, the gradient buffer's bucketed allreduce through syncline is timed against
+one raw gloo allreduce of a buffer of the same size (the limit), as bus bandwidth:
+busbw = n/T * 2(p-1)/p.
 
 A second, shared-module A/B (``same_module`` in the JSON) takes placement out altogether:
 one model and one optimizer, wrapped by both DDP and syncline, the engines taking turns step
@@ -20,28 +20,25 @@ syncline's (they return at once when DDP's own forward did not run), which if an
 favours DDP.
 
 Both engines run at their defaults: DDP's buckets (1 MiB, then 25 MiB), and syncline's
-measured bucket plan (``DataParallel``'s autotuning tries a few plans during the first ~50
-steps and keeps the fastest, see :mod:`syncline.dp.tuning`). Warm-up lasts until that choice
-is made, for both engines alike, and the JSON records what was measured and chosen.
+measured bucket plan (``DataParallel``'s autotuning tries a few plans during its first steps
+and keeps the fastest, see :mod:`syncline.dp.tuning`). Warm-up lasts until that choice is
+made, for both engines alike, and the JSON records what was measured and chosen.
 
 ``--rate 400mbit`` runs the same A/Bs across an emulated cluster network instead of the
 loopback: one rank per network namespace, the two joined by links capped by ``tc tbf``
-(:class:`syncline.launch.netns.EmulatedNetwork`; needs root, deleted at the end). Results go
-under ``emulated`` in the JSON, next to the loopback ones.
+(:func:`syncline.testing.emulated.run_ranks_emulated`; needs root, deleted at the end).
+Results go under ``emulated`` in the JSON, next to the loopback ones.
 
-    python benchmarks/dp_vs_ddp.py --pairs 200 --out benchmarks/results/dp_vs_ddp.json
-    sudo .venv/bin/python benchmarks/dp_vs_ddp.py --rate 400mbit --pairs 60
+    python -m benchmarks.dp_vs_ddp --pairs 200 --out benchmarks/results/dp_vs_ddp.json
+    sudo .venv/bin/python -m benchmarks.dp_vs_ddp --rate 400mbit --pairs 60
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -52,10 +49,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from syncline import DataParallel, comm
 from syncline.comm.collectives import FlatAllreduce
-from syncline.config import TrainConfig
 from syncline.data import ShardedBatches
+from syncline.launch.netns import EmulatedNetwork, check_prerequisites
 from syncline.models import model_loss
 from syncline.testing import run_ranks
+from syncline.testing.bench import abba, merge_results, paired_ratios, read_results
+from syncline.testing.emulated import run_ranks_emulated
+from syncline.train.config import TrainConfig
 from syncline.train.trainer import build_dataset, build_model_for
 
 MODELS = {
@@ -63,9 +63,15 @@ MODELS = {
     "cnn": TrainConfig(model="cnn", batch_size=128),
 }
 ENGINES = ("syncline", "ddp")
+MIN_PAIRS = 5  # for the medians and quartiles
+RANK_TIMEOUT_S = 3600.0
+COMM_TIMEOUT_S = 300.0
+
+RankFn = Callable[..., dict[str, Any]]
+Runner = Callable[..., dict[str, Any]]  # (rank_fn, world, *args) -> rank 0's result
 
 
-def _timed_step(engine, opt, loss_fn, batch) -> tuple[float, float]:
+def _timed_step(engine: Any, opt: Any, loss_fn: Any, batch: Any) -> tuple[float, float]:
     """One training step from a barrier: (wall seconds, main-thread CPU seconds)."""
     x, y = batch
     comm.barrier(what="step start")
@@ -80,16 +86,16 @@ def _busbw(nbytes: float, seconds: float, p: int) -> float:
     return nbytes / seconds * 2 * (p - 1) / p
 
 
-def _rank(rank: int, world: int, name: str, pairs: int, warmup: int) -> dict:
+def _rank(rank: int, world: int, name: str, pairs: int, warmup: int) -> dict[str, Any]:
     cfg = MODELS[name]
     loss_fn = model_loss(name)
     dataset, _ = build_dataset(cfg)
     batches = ShardedBatches(dataset, cfg.batch_size, rank, world, cfg.seed)
     # Two copies of each engine, built in ABBA order: where a model's memory lands shifts
-    # its step time by 1-3 % (two identical DDP copies differ that much), so each engine's
-    # time for a pair is the mean of its two copies, one built early and one late.
+    # its step time by a few per cent (two identical DDP copies differ that much), so each
+    # engine's time for a pair is the mean of its two copies, one built early and one late.
     copies: dict[str, list[tuple[Any, Any]]] = {k: [] for k in ENGINES}
-    for kind in (*ENGINES, *ENGINES[::-1]):
+    for kind in (*abba(ENGINES, 0), *abba(ENGINES, 1)):
         model = build_model_for(cfg)
         wrapped = DataParallel(model) if kind == "syncline" else DDP(model)
         copies[kind].append((wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-3)))
@@ -104,7 +110,7 @@ def _rank(rank: int, world: int, name: str, pairs: int, warmup: int) -> dict:
     cpu: dict[str, list[float]] = {k: [] for k in ENGINES}
     for i in range(pairs):
         batch = batches.batch(warmup + i)
-        for kind in ENGINES if i % 2 == 0 else ENGINES[::-1]:
+        for kind in abba(ENGINES, i):
             times = [_timed_step(*engine, loss_fn, batch) for engine in copies[kind]]
             wall[kind].append(statistics.fmean(t[0] for t in times))
             cpu[kind].append(statistics.fmean(t[1] for t in times))
@@ -133,7 +139,7 @@ def _rank(rank: int, world: int, name: str, pairs: int, warmup: int) -> dict:
     }
 
 
-def _rank_shared(rank: int, world: int, name: str, pairs: int, warmup: int) -> dict:
+def _rank_shared(rank: int, world: int, name: str, pairs: int, warmup: int) -> dict[str, Any]:
     cfg = MODELS[name]
     loss_fn = model_loss(name)
     dataset, _ = build_dataset(cfg)
@@ -147,7 +153,7 @@ def _rank_shared(rank: int, world: int, name: str, pairs: int, warmup: int) -> d
     i = measured = 0
     while measured < pairs:
         timing = i >= warmup and not ours.tuning_pending
-        for kind in ENGINES if i % 2 == 0 else ENGINES[::-1]:
+        for kind in abba(ENGINES, i):
             if kind == "syncline":
                 ours.install_hooks()
             else:
@@ -161,9 +167,9 @@ def _rank_shared(rank: int, world: int, name: str, pairs: int, warmup: int) -> d
     return {"wall": wall, "cpu": cpu, "batch_size": cfg.batch_size}
 
 
-def _summary(res: dict) -> dict:
+def _summary(res: dict[str, Any]) -> dict[str, Any]:
     sps = {k: [res["batch_size"] / t for t in v] for k, v in res["wall"].items()}
-    ratios = [a / b for a, b in zip(sps["syncline"], sps["ddp"], strict=True)]
+    ratios = paired_ratios(sps["syncline"], sps["ddp"])
     return {
         "syncline_samples_per_s": statistics.median(sps["syncline"]),
         "ddp_samples_per_s": statistics.median(sps["ddp"]),
@@ -175,66 +181,28 @@ def _summary(res: dict) -> dict:
     }
 
 
-RankFn = Callable[..., dict]
+def _loopback_runner(fn: RankFn, world: int, *args: Any) -> dict[str, Any]:
+    out: dict[str, Any] = run_ranks(
+        fn, world, *args, timeout_s=RANK_TIMEOUT_S, comm_timeout_s=COMM_TIMEOUT_S
+    )[0]
+    return out
 
 
-def _run_loopback(fn: RankFn, world: int, *args: Any) -> dict:
-    return run_ranks(fn, world, *args, timeout_s=3600, comm_timeout_s=300)[0]
+def _emulated_runner(net: EmulatedNetwork) -> Runner:
+    """Ranks one per host of ``net``: gloo crosses the rate-limited links."""
 
-
-def _worker(cfg_json: str) -> int:
-    """One rank inside its network namespace (``--worker JSON``): rendezvous, run, report."""
-    cfg = json.loads(cfg_json)
-    torch.set_num_threads(1)
-    comm.init_with_file_store(cfg["store"], cfg["rank"], cfg["world"], timeout_s=300)
-    try:
-        fn = {"_rank": _rank, "_rank_shared": _rank_shared}[cfg["fn"]]
-        result = fn(cfg["rank"], cfg["world"], *cfg["args"])
-        if cfg["rank"] == 0:
-            Path(cfg["result"]).write_text(json.dumps(result))
-    finally:
-        comm.destroy()
-    return 0
-
-
-def _run_emulated(net: Any, fn: RankFn, world: int, *args: Any) -> dict:
-    """Run ``fn`` with one rank per host of ``net``; gloo crosses the rate-limited links."""
-    from syncline.launch.netns import HOST_IFNAME
-
-    repo = Path(__file__).resolve().parents[1]
-    env = {
-        **os.environ,
-        "GLOO_SOCKET_IFNAME": HOST_IFNAME,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
-    }
-    with tempfile.TemporaryDirectory(prefix="dp_vs_ddp-") as tmp:
-        result = Path(tmp) / "result.json"
-        procs = []
-        for r in range(world):
-            cfg = {
-                "fn": fn.__name__,
-                "rank": r,
-                "world": world,
-                "args": list(args),
-                "store": str(Path(tmp) / "store"),
-                "result": str(result),
-            }
-            argv = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)]
-            procs.append(subprocess.Popen(net.exec_argv(r, argv), env=env, cwd=repo))
-        try:
-            codes = [p.wait(timeout=3600) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        if codes != [0] * world or not result.exists():
-            raise RuntimeError(f"dp_vs_ddp: ranks exited with {codes} on the emulated network")
-        out: dict = json.loads(result.read_text())
+    def runner(fn: RankFn, world: int, *args: Any) -> dict[str, Any]:
+        assert world == net.num_hosts
+        out: dict[str, Any] = run_ranks_emulated(
+            net, fn, *args, timeout_s=RANK_TIMEOUT_S, comm_timeout_s=COMM_TIMEOUT_S
+        )[0]
         return out
 
+    return runner
 
-def run(name: str, pairs: int, warmup: int, world: int, runner: Callable[..., dict]) -> dict:
+
+def run(name: str, pairs: int, warmup: int, world: int, runner: Runner) -> dict[str, Any]:
+    """Both A/Bs of one model, with ranks started by ``runner``; the summary in the JSON."""
     res = runner(_rank, world, name, pairs, warmup)
     shared = runner(_rank_shared, world, name, pairs, warmup)
     return {
@@ -257,8 +225,25 @@ def run(name: str, pairs: int, warmup: int, world: int, runner: Callable[..., di
     }
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _print(r: dict[str, Any]) -> None:
+    same, tuning = r["same_module"], r["bucket_tuning"][0]
+    print(
+        f"{r['model']}: syncline {r['syncline_samples_per_s']:.1f} vs DDP "
+        f"{r['ddp_samples_per_s']:.1f} samples/s -> ratio {r['ratio_of_medians']:.3f} "
+        f"(median pair ratio {r['median_pair_ratio']:.3f}); CPU/step "
+        f"{r['syncline_cpu_ms_per_step']:.1f} vs {r['ddp_cpu_ms_per_step']:.1f} ms; "
+        f"same module: ratio {same['ratio_of_medians']:.3f} (median pair "
+        f"ratio {same['median_pair_ratio']:.3f}); allreduce busbw "
+        f"{r['bucketed_allreduce_busbw_GBps']:.2f} vs raw "
+        f"{r['raw_allreduce_busbw_GBps']:.2f} GB/s; buckets chosen: "
+        f"{tuning['chosen'] if tuning else 'n/a'}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.dp_vs_ddp", description=(__doc__ or "").splitlines()[0]
+    )
     ap.add_argument("--models", default="gpt,cnn")
     ap.add_argument("--pairs", type=int, default=200, help="steps of each engine, interleaved")
     ap.add_argument("--warmup", type=int, default=5)
@@ -270,12 +255,12 @@ def main() -> int:
         help="run across an emulated network at this tc rate (e.g. 400mbit; needs root) "
         "instead of the loopback; stored under 'emulated' in --out",
     )
-    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    a = ap.parse_args()
-    if a.worker is not None:
-        return _worker(a.worker)
-    if a.pairs < 5:
-        print("dp_vs_ddp: --pairs must be >= 5 (medians need at least 5 pairs)", file=sys.stderr)
+    a = ap.parse_args(argv)
+    if a.pairs < MIN_PAIRS:
+        print(
+            f"dp_vs_ddp: --pairs must be >= {MIN_PAIRS} (medians need at least {MIN_PAIRS} pairs)",
+            file=sys.stderr,
+        )
         return 2
     models = a.models.split(",")
     bad = sorted(set(models) - set(MODELS))
@@ -283,45 +268,21 @@ def main() -> int:
         print(f"dp_vs_ddp: unknown model(s) {bad}; valid: {sorted(MODELS)}", file=sys.stderr)
         return 2
     path = Path(a.out)
-    previous = json.loads(path.read_text()) if path.exists() else {}
     if a.rate is None:
-        results = [run(m, a.pairs, a.warmup, a.world, _run_loopback) for m in models]
-        out = {
-            "benchmark": "dp_vs_ddp",
-            "torch": torch.__version__,
-            "results": results,
-            "emulated": previous.get("emulated"),
-        }
+        results = [run(m, a.pairs, a.warmup, a.world, _loopback_runner) for m in models]
+        sections = {"results": results, "emulated": read_results(path).get("emulated")}
     else:
-        from syncline.launch.netns import EmulatedNetwork, check_prerequisites
-
         check_prerequisites()
         with EmulatedNetwork(a.world, a.rate) as net:
-
-            def runner(fn: RankFn, world: int, *args: Any) -> dict:
-                return _run_emulated(net, fn, world, *args)
-
+            runner = _emulated_runner(net)
             results = [run(m, a.pairs, a.warmup, a.world, runner) for m in models]
-        out = {**previous, "emulated": {"rate": a.rate, "results": results}}
-        out.setdefault("benchmark", "dp_vs_ddp")
-        out.setdefault("torch", torch.__version__)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
+        sections = {"emulated": {"rate": a.rate, "results": results}}
+    out = merge_results(path, "dp_vs_ddp", sections, indent=2)
     for r in results:
-        print(
-            f"{r['model']}: syncline {r['syncline_samples_per_s']:.1f} vs DDP "
-            f"{r['ddp_samples_per_s']:.1f} samples/s -> ratio {r['ratio_of_medians']:.3f} "
-            f"(median pair ratio {r['median_pair_ratio']:.3f}); CPU/step "
-            f"{r['syncline_cpu_ms_per_step']:.1f} vs {r['ddp_cpu_ms_per_step']:.1f} ms; "
-            f"same module: ratio {r['same_module']['ratio_of_medians']:.3f} (median pair "
-            f"ratio {r['same_module']['median_pair_ratio']:.3f}); allreduce busbw "
-            f"{r['bucketed_allreduce_busbw_GBps']:.2f} vs raw "
-            f"{r['raw_allreduce_busbw_GBps']:.2f} GB/s; buckets chosen: "
-            f"{r['bucket_tuning'][0]['chosen'] if r['bucket_tuning'][0] else 'n/a'}"
-        )
+        _print(r)
     print(json.dumps(out))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit("run it from the repository root as: python -m benchmarks.dp_vs_ddp")

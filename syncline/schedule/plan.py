@@ -26,21 +26,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from syncline.errors import ConfigError
-from syncline.schedule import (
-    Action,
-    ActionKind,
-    Schedule,
-    ScheduleError,
-    add_communication,
-    gpipe,
-    interleaved_1f1b,
-    one_f_one_b,
-    two_bw,
-    validate,
-)
+from syncline.schedule.generators import two_bw
+from syncline.schedule.ir import Action, ActionKind, Schedule, ScheduleError
+from syncline.schedule.passes import add_communication
+from syncline.schedule.validate import validate
 
-SCHEDULES = ("gpipe", "1f1b", "2bw", "interleaved")
 START, STEADY, DRAIN, SINGLE = "start", "steady", "drain", "single"
 
 _SEND_OF = {ActionKind.RECV_F: ActionKind.SEND_F, ActionKind.RECV_B: ActionKind.SEND_B}
@@ -76,7 +66,7 @@ class Plan:
     """The slices of a schedule a pipeline runs, and the schedule's shape.
 
     Attributes:
-        name: ``"gpipe"``, ``"1f1b"``, ``"2bw"`` or ``"interleaved"``.
+        name: the schedule's registry name (:mod:`syncline.schedule.registry`).
         schedule: the generated one-batch schedule (2BW: three batches), for display.
         segments: by kind; flush schedules have only ``"single"``.
     """
@@ -106,43 +96,16 @@ class Plan:
         return self.segments[kind.get((in_flight, has_next), SINGLE)]
 
 
-def build_plan(
-    name: str, num_ranks: int, num_stages: int, num_microbatches: int, *, recompute: bool = False
-) -> Plan:
-    """Generate, validate and slice the schedule ``name``.
+def flush_plan(name: str, schedule: Schedule) -> Plan:
+    """The plan of a flush schedule: one call runs the whole (communication-added) list.
 
     Args:
-        name: one of ``SCHEDULES``.
-        num_ranks: ranks in the pipeline group.
-        num_stages: stages; equal to ``num_ranks`` except interleaved (a multiple > 1 of it).
-        num_microbatches: micro-batches per batch.
-        recompute: RECOMPUTE before each BACKWARD.
+        name: the schedule's registry name.
+        schedule: one batch's compute actions, as a generator returns them.
 
     Raises:
-        ConfigError: an unknown name or sizes that do not fit the schedule, naming them.
+        ScheduleError: the schedule deadlocks or breaks a dependency (:func:`validate`).
     """
-    d, m = num_ranks, num_microbatches
-    if name not in SCHEDULES:
-        raise ConfigError(f"schedule={name!r} is unknown; valid: {', '.join(SCHEDULES)}")
-    if name == "interleaved":
-        if num_stages % d or num_stages // d < 2:
-            raise ConfigError(
-                f"schedule='interleaved' needs num_stages a multiple >= 2 of the {d} ranks "
-                f"(chunks per rank), got num_stages={num_stages}"
-            )
-    elif num_stages != d:
-        raise ConfigError(
-            f"num_stages={num_stages} must equal the process group's size {d} for "
-            f"schedule={name!r} (one stage per rank)"
-        )
-    if name == "2bw":
-        if m < d:
-            raise ConfigError(f"num_microbatches={m} must be >= num_stages={d} for 2bw")
-        return _two_bw_plan(d, m, recompute)
-    if name == "interleaved":
-        schedule = interleaved_1f1b(d, m, num_stages // d, recompute=recompute)
-    else:
-        schedule = {"gpipe": gpipe, "1f1b": one_f_one_b}[name](d, m, recompute=recompute)
     schedule = add_communication(schedule)
     validate(schedule)
     return Plan(name, schedule, {SINGLE: Segment(SINGLE, schedule.actions, 0)})
@@ -152,7 +115,8 @@ def _steps(actions: Sequence[Action]) -> dict[int | None, int]:
     return {a.batch: i for i, a in enumerate(actions) if a.kind is ActionKind.STEP}
 
 
-def _two_bw_plan(d: int, m: int, recompute: bool) -> Plan:
+def two_bw_plan(name: str, d: int, m: int, recompute: bool) -> Plan:
+    """2BW's four segments (the module docstring's table), checked to cut cleanly."""
     runs = {n: add_communication(two_bw(d, m, n, recompute=recompute)) for n in (1, 2, 3)}
     validate(runs[3])
     start, steady, drain = {}, {}, {}
@@ -168,7 +132,7 @@ def _two_bw_plan(d: int, m: int, recompute: bool) -> Plan:
         DRAIN: Segment(DRAIN, drain, -1),
         SINGLE: Segment(SINGLE, runs[1].actions, 0),
     }
-    plan = Plan("2bw", runs[3], segments)
+    plan = Plan(name, runs[3], segments)
     check_cut(plan, [START, STEADY, STEADY, DRAIN])
     return plan
 

@@ -15,7 +15,7 @@ same batch); and, from separate untimed pipelines with ``track_memory=True`` (sa
 hooks, which cost time), syncline's measured per-stage memory (stashed activations, weight
 versions).
 
-    python benchmarks/pipeline_vs_torch.py --pairs 5 --steps 10 \\
+    python -m benchmarks.pipeline_vs_torch --pairs 5 --steps 10 \\
         --out benchmarks/results/pipeline_vs_torch.json
 """
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -39,6 +38,7 @@ from syncline.models import build_model, lm_loss
 from syncline.partition import stage_bounds
 from syncline.pipeline import Pipeline
 from syncline.testing import run_ranks
+from syncline.testing.bench import abba, paired_ratios, ratio_of_medians, write_json
 
 ENGINES = ("torch-gpipe", "torch-1f1b", "syncline-gpipe", "syncline-1f1b", "syncline-2bw")
 RATIOS = {
@@ -110,10 +110,10 @@ def _engine(name: str, rank: int, world: int, args: argparse.Namespace):
 def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     total = (args.pairs + 1) * args.steps + 2
     # Two copies of each engine, the second set built in reverse order: where an engine's
-    # memory lands moves its step time by a few per cent (dp_vs_ddp measured 1-4 % between
-    # identical DDP copies), and building every syncline engine after every torch one would
-    # hand that to one side. Each pair runs every engine twice, once per copy.
-    builds = [(n, 0) for n in ENGINES] + [(n, 1) for n in ENGINES[::-1]]
+    # memory lands moves its step time by a few per cent (see dp_vs_ddp), and building every
+    # syncline engine after every torch one would hand that to one side. Each pair runs every
+    # engine twice, once per copy.
+    builds = [(n, copy) for copy in (0, 1) for n in abba(ENGINES, copy)]
     engines = {key: _engine(key[0], rank, world, args) for key in builds}
     data = _batches(args, total)
     streams = {key: iter(data) for key in builds}
@@ -126,9 +126,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
             e.train_step(streams[key])
     seconds: dict[str, list[float]] = {n: [] for n in ENGINES}
     for pair in range(args.pairs):
-        order = ENGINES if pair % 2 == 0 else ENGINES[::-1]
         for copy in (0, 1):
-            for n in order:
+            for n in abba(ENGINES, pair):
                 engine, stream = engines[(n, copy)], streams[(n, copy)]
                 comm.barrier(what=f"{n} segment start")
                 t0 = time.perf_counter()
@@ -149,7 +148,9 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.pipeline_vs_torch", description=(__doc__ or "").splitlines()[0]
+    )
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--layers", type=int, default=4, help="transformer blocks")
     p.add_argument("--embd", type=int, default=128)
@@ -179,9 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "samples_per_s": rates,
-        "ratios": {k: rates[a] / rates[b] for k, (a, b) in RATIOS.items()},
+        "ratios": {
+            k: ratio_of_medians(per_segment[a], per_segment[b]) for k, (a, b) in RATIOS.items()
+        },
         "median_segment_ratios": {
-            k: statistics.median(x / y for x, y in zip(per_segment[a], per_segment[b], strict=True))
+            k: statistics.median(paired_ratios(per_segment[a], per_segment[b]))
             for k, (a, b) in RATIOS.items()
         },
         "first_loss": last["first_loss"],
@@ -190,13 +193,11 @@ def main(argv: list[str] | None = None) -> int:
             for n in results[0]["memory"]
         },
     }
-    text = json.dumps(report, indent=2, default=str)
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    print(text)
+        write_json(args.out, report, indent=2)
+    print(json.dumps(report, indent=2, default=str))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit("run it from the repository root as: python -m benchmarks.pipeline_vs_torch")

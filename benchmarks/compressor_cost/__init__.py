@@ -1,0 +1,1 @@
+"""The compressor_cost benchmark: ``python -m benchmarks.compressor_cost --help``."""

@@ -1,0 +1,1 @@
+"""The lowbw benchmark: ``python -m benchmarks.lowbw --help``."""

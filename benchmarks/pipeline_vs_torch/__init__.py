@@ -1,0 +1,1 @@
+"""The pipeline_vs_torch benchmark: ``python -m benchmarks.pipeline_vs_torch --help``."""

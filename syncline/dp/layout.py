@@ -1,0 +1,137 @@
+"""The flat gradient buffer: where each gradient lives, how the buffer is cut, grad views.
+
+One contiguous buffer holds every trainable parameter's gradient in the order backward is
+expected to produce them (:mod:`syncline.dp.buckets` computes the plan; this module makes it
+real). Each ``param.grad`` becomes a view into the buffer, so a bucket is one slice and one
+collective, and a gradient byte is written into the buffer once and never copied back.
+Re-cutting the buckets (bucket tuning) moves no memory; re-laying the buffer (a new order)
+does, and keeps the gradients already there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from syncline.dp.buckets import BucketPlan, plan_buckets
+from syncline.dp.compression import Layout
+
+__all__ = ["GradBuffer"]
+
+
+class GradBuffer:
+    """The flat buffer of a list of parameters, its bucket plan and the gradient views.
+
+    Args:
+        params: the trainable parameters, all of one dtype (checked by the engine).
+        caps: ``(first bucket cap, cap of the rest)`` in bytes; kept across re-layouts.
+        keep_spent: keep autograd's own gradient tensors, once copied into the buffer, in
+            :attr:`spent` until the owner clears it (``gradient_as_bucket_view=False``).
+
+    Attributes:
+        plan: the current layout and buckets (pure data).
+        flat: the buffer; ``views[i]`` is parameter ``i``'s place in it.
+        members: per bucket, its parameters and their views, so a launch gathers them in one
+            pass.
+        layouts: per bucket, each parameter's offset inside the bucket and its shape.
+        spent: autograd's gradients already moved into the buffer, kept to be freed later.
+    """
+
+    def __init__(
+        self, params: list[torch.Tensor], caps: tuple[int, int], *, keep_spent: bool
+    ) -> None:
+        self.params = params
+        self.caps = caps
+        self.keep_spent = keep_spent
+        self.spent: list[torch.Tensor] = []
+        self.plan: BucketPlan
+        self.flat: torch.Tensor
+        self.views: list[torch.Tensor] = []
+        self.members: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        self.layouts: list[Layout] = []
+
+    def plan_for(self, order: list[int] | tuple[int, ...], first_cap: int, cap: int) -> BucketPlan:
+        """The plan that lays the parameters out in ``order`` and cuts at the given caps."""
+        return plan_buckets(
+            [p.numel() for p in self.params], order, self.params[0].element_size(), cap, first_cap
+        )
+
+    def install(self, order: list[int], keep_grads: bool = False) -> None:
+        """Lay out a new buffer in ``order`` (cut at :attr:`caps`).
+
+        ``keep_grads``: gradients present now are copied into the new buffer and every such
+        ``param.grad`` becomes its new view; otherwise the views are attached later.
+        """
+        p0 = self.params[0]
+        plan = self.plan_for(order, *self.caps)
+        flat = torch.zeros(plan.total_numel, dtype=p0.dtype, device=p0.device)
+        views = [
+            flat[off : off + p.numel()].view_as(p)
+            for off, p in zip(plan.offsets, self.params, strict=True)
+        ]
+        if keep_grads:
+            for p, v in zip(self.params, views, strict=True):
+                if p.grad is not None:
+                    v.copy_(p.grad)
+                    p.grad = v
+        self.flat = flat
+        self.views = views
+        self.cut(plan)
+
+    def cut(self, plan: BucketPlan) -> None:
+        """Adopt ``plan``'s buckets over the current buffer (its offsets must be the buffer's)."""
+        self.plan = plan
+        self.members = [
+            ([self.params[i] for i in b.params], [self.views[i] for i in b.params])
+            for b in plan.buckets
+        ]
+        self.layouts = [
+            tuple((plan.offsets[i] - b.start, tuple(self.params[i].shape)) for i in b.params)
+            for b in plan.buckets
+        ]
+
+    def attach_grads(self, *, lazy: bool = False) -> None:
+        """Make every ``param.grad`` a view into the flat buffer (zeroed where it was None).
+
+        ``lazy`` (before a training forward): when every gradient is None (``zero_grad(
+        set_to_none=True)``), attach nothing. Autograd then hands each parameter a fresh
+        gradient, which its bucket's launch copies into its view: one pass over the bytes
+        instead of zeroing the buffer and adding into it; a parameter that gets no gradient is
+        zeroed at the end of backward.
+        """
+        # measured: the lazy path saves ~1 % of a GPT step on CPU
+        grads = [p.grad for p in self.params]
+        if all(g is None for g in grads):
+            if lazy:
+                return
+            self.flat.zero_()
+            for p, v in zip(self.params, self.views, strict=True):
+                p.grad = v
+            return
+        for p, v, g in zip(self.params, self.views, grads, strict=True):
+            if g is None:
+                v.zero_()
+                p.grad = v
+            elif g.data_ptr() != v.data_ptr():
+                v.copy_(g)
+                p.grad = v
+
+    def gather_bucket(self, k: int) -> None:
+        """Move autograd's fresh gradients of bucket ``k`` into the buffer, in one batched copy.
+
+        Gradients already in place (accumulated into their views) stay; every ``param.grad``
+        of the bucket is its view afterwards. Autograd's tensors go to :attr:`spent` when
+        :attr:`keep_spent` (the engine's ``forward`` says why they are kept).
+        """
+        params, views = self.members[k]
+        src: list[torch.Tensor] = []
+        dst: list[torch.Tensor] = []
+        for p, v in zip(params, views, strict=True):
+            g = p.grad
+            if g is not None and g.data_ptr() != v.data_ptr():
+                src.append(g)
+                dst.append(v)
+                p.grad = v
+        if src:
+            torch._foreach_copy_(dst, src)
+            if self.keep_spent:
+                self.spent.extend(src)

@@ -1,0 +1,278 @@
+"""The backward side of the engine: ready-hooks, bucket launches, the end-of-backward flush.
+
+A hook per parameter only marks it ready; when every parameter of the next bucket is ready,
+that bucket's fresh gradients are moved into the flat buffer in one batched copy and the
+bucket is handed to the compressor, which starts an asynchronous collective. An autograd
+callback queued by the first hook of a backward flushes the remaining buckets, waits for what
+is still in flight and does the once-per-step bookkeeping (unused parameters, the first step's
+re-layout, bucket tuning). Buckets always launch in order, so every rank issues the same
+collectives in the same order whatever order its gradients arrive in.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from syncline import comm
+from syncline.comm.collectives import Collective, Pending
+from syncline.dp.autotune import BucketTuning
+from syncline.dp.compression import BucketRef, Compressor, NoCompression
+from syncline.dp.config import DataParallelConfig
+from syncline.dp.layout import GradBuffer
+
+__all__ = ["Reducer", "StepState", "StepStats"]
+
+
+@dataclass
+class StepStats:
+    """What the last synchronised backward communicated."""
+
+    step: int = 0
+    collectives: int = 0
+    wire_bytes: int = 0
+    dense_bytes: int = 0
+    exposed_comm_s: float = 0.0
+
+
+class StepState:
+    """The engine's per-step bookkeeping, kept off the ``nn.Module``.
+
+    A module's ``__setattr__`` is slow (it checks for parameters, buffers and submodules), and
+    the engine sets many attributes every step; here attributes are plain slots.
+    """
+
+    # measured: ~10 us per nn.Module.__setattr__; ~17 a step were 0.2 ms of a 9 ms CNN step
+    __slots__ = (
+        "buffer_sync",
+        "in_backward",
+        "last_stats",
+        "next_bucket",
+        "order_seen",
+        "pending",
+        "ready",
+        "remaining",
+        "steps_synced",
+        "sync_this_backward",
+        "syncs_done",
+        "t_first_ready",
+        "used",
+    )
+
+    def __init__(self, num_params: int) -> None:
+        self.buffer_sync: Pending | None = None
+        self.sync_this_backward = True
+        self.used = [False] * num_params
+        self.steps_synced = 0
+        self.syncs_done = 0  # synchronised backwards since construction (the tuning clock)
+        self.t_first_ready = 0.0
+        self.last_stats = StepStats()
+        self.ready: list[bool] = []
+        self.remaining: list[int] = []
+        self.next_bucket = 0
+        self.pending: list[Pending] = []
+        self.in_backward = False
+        self.order_seen: list[int] = []
+
+    def finish_buffer_sync(self) -> None:
+        """Apply a buffer broadcast still in flight, if any."""
+        pending, self.buffer_sync = self.buffer_sync, None
+        if pending is not None:
+            pending.wait()
+
+
+class Reducer:
+    """Averages the gradients of ``buffer``'s parameters over the ranks during backward.
+
+    Args:
+        names: the parameters' names, for error messages.
+        buffer: the flat buffer and its buckets.
+        state: the per-step bookkeeping, shared with the engine's forward.
+        config: the engine's settings.
+        compressor: reduces every bucket from the second synchronised step on (the first
+            runs lossless, as its buckets may still be re-laid).
+        collective: the collective the compressor and the bookkeeping talk through.
+        group: the process group (for the broadcast of the observed order).
+        tuning: the bucket tuning, told each synchronised backward's time while pending.
+    """
+
+    def __init__(
+        self,
+        *,
+        names: list[str],
+        buffer: GradBuffer,
+        state: StepState,
+        config: DataParallelConfig,
+        compressor: Compressor,
+        collective: Collective,
+        group: comm.Group,
+        tuning: BucketTuning,
+    ) -> None:
+        self.names = names
+        self.buf = buffer
+        self.st = state
+        self.config = config
+        self.compressor = compressor
+        self.dense = NoCompression()
+        self.collective = collective
+        self.group = group
+        self.tuning = tuning
+        self.hooks: list[Any] = []
+
+    def install_hooks(self) -> None:
+        """Attach the ready-hooks to the parameters. Idempotent."""
+        if not self.hooks:
+            self.hooks = [
+                # a partial, not a closure: one Python frame less on a path taken per
+                # parameter per step
+                p.register_post_accumulate_grad_hook(functools.partial(self.on_grad_ready, i))
+                for i, p in enumerate(self.buf.params)
+            ]
+
+    def remove_hooks(self) -> None:
+        """Detach the ready-hooks from the parameters."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+
+    def reset(self) -> None:
+        """Start the next backward: nothing ready, nothing launched, nothing in flight."""
+        st = self.st
+        st.ready = [False] * len(self.buf.params)
+        st.remaining = [len(b.params) for b in self.buf.plan.buckets]
+        st.next_bucket = 0
+        st.pending = []
+        st.in_backward = False
+        st.order_seen = []
+
+    def on_grad_ready(self, i: int, _param: torch.Tensor) -> None:
+        """The hook of parameter ``i``: mark it ready; launch the buckets this completes."""
+        # The hot path, once per parameter per backward: bookkeeping only. The copy into the
+        # buffer is batched per bucket in launch_ready_buckets (one foreach call in C++
+        # instead of a Python-dispatched op per parameter: measured ~250 -> ~100 us per GPT
+        # step on CPU).
+        st = self.st
+        st.used[i] = True
+        if not st.sync_this_backward:
+            return
+        if not st.in_backward:
+            st.in_backward = True
+            st.t_first_ready = time.perf_counter()
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+        if st.ready[i]:
+            raise RuntimeError(
+                f"DataParallel: parameter {self.names[i]!r} got its gradient twice in one "
+                "backward (re-entrant checkpointing over a shared parameter?); DDP refuses "
+                "this too: use non-reentrant checkpointing"
+            )
+        st.ready[i] = True
+        if st.steps_synced == 0 and self.config.rebuild_buckets:
+            st.order_seen.append(i)  # only the first step's order is ever used
+        b = self.buf.plan.bucket_of[i]
+        st.remaining[b] -= 1
+        if st.remaining[b] == 0:  # buckets launch in order: only a full one can start any
+            self.launch_ready_buckets()
+
+    def launch_ready_buckets(self) -> None:
+        """Start the collectives of the next buckets whose parameters are all ready."""
+        buf, st = self.buf, self.st
+        buckets = buf.plan.buckets
+        while st.next_bucket < len(buckets) and st.remaining[st.next_bucket] == 0:
+            b = buckets[st.next_bucket]
+            buf.gather_bucket(b.index)
+            compressor = self.compressor if st.steps_synced > 0 else self.dense
+            ref = BucketRef(b.index, st.steps_synced, buf.layouts[b.index])
+            st.pending.append(compressor.reduce(ref, buf.flat[b.start : b.end], self.collective))
+            st.next_bucket += 1
+
+    def finish_backward(self) -> None:
+        """End of a synchronised backward: flush, wait, account, re-lay or re-cut if due."""
+        st, buf = self.st, self.buf
+        try:
+            self._flush_unready()
+            t0 = time.perf_counter()
+            for pending in st.pending:
+                pending.wait()
+            st.finish_buffer_sync()
+            exposed = time.perf_counter() - t0
+            if self.config.find_unused_parameters:
+                self._drop_globally_unused()
+            st.last_stats = StepStats(
+                step=st.steps_synced,
+                collectives=len(st.pending),
+                wire_bytes=sum(p.wire_bytes for p in st.pending),
+                dense_bytes=buf.flat.numel() * buf.flat.element_size(),
+                exposed_comm_s=exposed,
+            )
+            if st.steps_synced == 0 and self.config.rebuild_buckets:
+                self._rebuild_from_observed_order()
+            if self.tuning.pending:
+                backward_s = time.perf_counter() - st.t_first_ready
+                self.tuning.observe(backward_s, st.syncs_done, st.steps_synced)
+            st.steps_synced += 1
+            st.syncs_done += 1
+            st.used = [False] * len(buf.params)
+        finally:
+            self.reset()
+
+    def _flush_unready(self) -> None:
+        st, buf = self.st, self.buf
+        unready = [i for i, r in enumerate(st.ready) if not r]
+        if unready and not self.config.find_unused_parameters:
+            names = [self.names[i] for i in unready]
+            raise RuntimeError(
+                f"DataParallel: {len(names)} parameter(s) got no gradient in step "
+                f"{st.steps_synced}: {names[:8]}; pass find_unused_parameters=True, or "
+                "make every parameter take part in the loss"
+            )
+        for i in unready:
+            p, view = buf.params[i], buf.views[i]
+            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                view.zero_()
+                p.grad = view
+            st.ready[i] = True
+            st.remaining[buf.plan.bucket_of[i]] -= 1
+        self.launch_ready_buckets()
+
+    def _drop_globally_unused(self) -> None:
+        """A parameter no rank used keeps ``grad=None``, so optimizers skip it (as in DDP)."""
+        st = self.st
+        used = torch.tensor(st.used, dtype=torch.int32, device=self.buf.flat.device)
+        self.collective.allreduce(used, f"unused-parameter count at step {st.steps_synced}").wait()
+        for i, count in enumerate(used.tolist()):
+            if count == 0:
+                self.buf.params[i].grad = None
+
+    def _rebuild_from_observed_order(self) -> None:
+        """Re-lay the buffer in the order the first step's gradients became ready (rank 0's)."""
+        seen = list(dict.fromkeys(self.st.order_seen))
+        seen_set = set(seen)
+        rest = [i for i in self.buf.plan.order if i not in seen_set]
+        order = torch.tensor(seen + rest, dtype=torch.int64)
+        comm.broadcast_tensors([order], group=self.group, what="bucket order")
+        new_order = order.tolist()
+        if tuple(new_order) != self.buf.plan.order:
+            self.buf.install(new_order, keep_grads=True)
+
+    def sync_all(self) -> StepStats:
+        """Average the whole buffer now, bucket by bucket, lossless (outside any backward)."""
+        buf, step = self.buf, self.st.steps_synced
+        buf.attach_grads()
+        pending = []
+        for b in buf.plan.buckets:
+            ref = BucketRef(b.index, step, buf.layouts[b.index])
+            pending.append(self.dense.reduce(ref, buf.flat[b.start : b.end], self.collective))
+        t0 = time.perf_counter()
+        for p in pending:
+            p.wait()
+        return StepStats(
+            step=step,
+            collectives=len(pending),
+            wire_bytes=sum(p.wire_bytes for p in pending),
+            dense_bytes=buf.flat.numel() * buf.flat.element_size(),
+            exposed_comm_s=time.perf_counter() - t0,
+        )

@@ -1,0 +1,173 @@
+"""PURE: the compressor registry, and the ``--compression`` spec grammar it defines.
+
+A spec is ``name[:ARGUMENT][:key=value]...``, e.g. ``csc:0.01:warmup=50``; each
+:class:`CompressorSpec` says which argument and options its name takes, and every parse
+error lists the valid forms of all registered compressors. Adding a compressor is one module
+(a class following :class:`syncline.dp.compression.Compressor`) plus one
+``COMPRESSORS.register(CompressorSpec(...))``.
+
+Example:
+    >>> COMPRESSORS.register(CompressorSpec("mine", "my compressor", factory=Mine))
+    >>> build_compressor("mine").name
+    'mine'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from syncline.errors import ConfigError
+from syncline.registry import Registry, resolve
+
+if TYPE_CHECKING:
+    from syncline.dp.compression import Compressor
+
+__all__ = ["COMPRESSORS", "CompressorSpec", "build_compressor", "compressor_name", "forms"]
+
+
+@dataclass(frozen=True)
+class CompressorSpec:
+    """One compressor as the command line and the trainers see it.
+
+    Attributes:
+        name: the spec's first word.
+        summary: what goes on the wire, e.g. ``"fp16 on the wire"``.
+        factory: the compressor class (or ``"module:Class"``), called with the parsed values.
+        argument: ``(keyword, type, METAVAR)`` of the one positional value, if it takes one.
+        options: ``key -> (keyword, type, METAVAR)`` of its ``key=value`` options.
+        owns_momentum: applies momentum itself before sparsifying (CSC's momentum
+            correction), so SGD must run without momentum beside it.
+    """
+
+    name: str
+    summary: str
+    factory: str | Callable[..., Any]
+    argument: tuple[str, type, str] | None = None
+    options: Mapping[str, tuple[str, type, str]] = field(default_factory=dict)
+    owns_momentum: bool = False
+
+    @property
+    def form(self) -> str:
+        """The spec's grammar, e.g. ``topk:RATIO`` or ``powersgd:RANK[:warmup=N]``."""
+        text = self.name + (f":{self.argument[2]}" if self.argument else "")
+        return text + "".join(f"[:{key}={meta}]" for key, (_, _, meta) in self.options.items())
+
+
+COMPRESSORS: Registry[CompressorSpec] = Registry("compressor")
+
+
+def forms() -> dict[str, str]:
+    """Every registered spec form and what it means (what ``--help`` and errors print)."""
+    return {spec.form: spec.summary for spec in COMPRESSORS}
+
+
+def _fail(spec: str, why: str) -> ConfigError:
+    return ConfigError(f"compression spec {spec!r}: {why}; valid forms: {', '.join(forms())}")
+
+
+def _convert(spec: str, key: str, text: str, kind: type) -> Any:
+    try:
+        return kind(text)
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise _fail(spec, f"{key}={text!r} is not {what}") from None
+
+
+def compressor_name(spec: str) -> str:
+    """The registry name a spec starts with (``"csc:0.01"`` -> ``"csc"``), lower-cased."""
+    return spec.strip().split(":")[0].lower()
+
+
+def parse(spec: str) -> tuple[CompressorSpec, dict[str, Any]]:
+    """The registry entry a spec names and the keyword arguments it gives; no torch needed.
+
+    Raises:
+        ConfigError: on an unknown name, a missing or extra argument, or a bad value; the
+            message lists the valid forms.
+    """
+    name, *parts = spec.strip().split(":")
+    if name.lower() not in COMPRESSORS:
+        raise _fail(spec, f"unknown compressor {name!r}")
+    entry = COMPRESSORS.get(name.lower())
+    kwargs: dict[str, Any] = {}
+    if entry.argument is not None:
+        arg, kind, _ = entry.argument
+        if not parts or "=" in parts[0]:
+            raise _fail(spec, f"{name} needs its {arg}")
+        kwargs[arg] = _convert(spec, arg, parts[0], kind)
+        parts = parts[1:]
+    for part in parts:
+        key, eq, text = part.partition("=")
+        if not eq or key not in entry.options:
+            valid = ", ".join(f"{k}=" for k in entry.options) or "none"
+            raise _fail(spec, f"unexpected {part!r} (options of {name}: {valid})")
+        arg, kind, _ = entry.options[key]
+        if arg in kwargs:
+            raise _fail(spec, f"{key}= given twice")
+        kwargs[arg] = _convert(spec, key, text, kind)
+    return entry, kwargs
+
+
+def build_compressor(spec: str) -> Compressor:
+    """Build a compressor from a command-line spec.
+
+    Args:
+        spec: one of :func:`forms`, e.g. ``"none"``, ``"fp16"``, ``"csc:0.01:warmup=50"``,
+            ``"topk:0.01"``, ``"powersgd:4"``, or a registered plug-in's.
+
+    Returns:
+        The compressor, validated by its own constructor.
+
+    Raises:
+        ConfigError: on an unknown name, a missing or extra argument, or a bad value; the
+            message lists the valid forms.
+
+    Example:
+        >>> build_compressor("csc:0.05:warmup=20").warmup_steps
+        20
+    """
+    entry, kwargs = parse(spec)
+    compressor: Compressor = resolve(entry.factory)(**kwargs)
+    return compressor
+
+
+_C = "syncline.dp.compressors"
+COMPRESSORS.register(
+    CompressorSpec("none", "lossless fp32 allreduce", "syncline.dp.compression:NoCompression")
+)
+COMPRESSORS.register(CompressorSpec("fp16", "fp16 on the wire", f"{_C}.halfwidth:FP16"))
+COMPRESSORS.register(CompressorSpec("bf16", "bf16 on the wire", f"{_C}.halfwidth:BF16"))
+COMPRESSORS.register(
+    CompressorSpec(
+        "csc",
+        "coarse-grained sparse (GradientFlow), e.g. csc:0.01",
+        f"{_C}.csc:CSC",
+        argument=("density", float, "DENSITY"),
+        options={
+            "warmup": ("warmup_steps", int, "N"),
+            "chunk": ("chunk_elems", int, "C"),
+            "momentum": ("momentum", float, "M"),
+            "ramp": ("ramp", str, "dense|exp"),
+        },
+        owns_momentum=True,
+    )
+)
+COMPRESSORS.register(
+    CompressorSpec(
+        "topk",
+        "element-wise top-k with error feedback, e.g. topk:0.01",
+        f"{_C}.topk:TopK",
+        argument=("ratio", float, "RATIO"),
+    )
+)
+COMPRESSORS.register(
+    CompressorSpec(
+        "powersgd",
+        "low-rank PowerSGD, e.g. powersgd:4",
+        f"{_C}.powersgd:PowerSGD",
+        argument=("rank", int, "RANK"),
+        options={"warmup": ("warmup_steps", int, "N")},
+    )
+)

@@ -1,0 +1,345 @@
+"""PURE: ``TrainConfig``, everything ``syncline train`` needs, checked before any process starts.
+
+Each field is documented once, by the docstring under it; the command line is generated from
+these fields (:mod:`syncline.cli.options`), so defaults, help and checks cannot drift. Names
+of models, data sets, compressors, schedules and allreduce algorithms are checked against
+their registries, so a registered plug-in is accepted like a built-in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from syncline.comm.registry import ALLREDUCE
+from syncline.data.registry import DATASETS
+from syncline.dp.registry import COMPRESSORS, compressor_name, forms, parse
+from syncline.errors import ConfigError
+from syncline.fields import check_positive, check_positive_int, option
+from syncline.models.registry import MODELS, ModelSpec
+from syncline.partition import check_balance
+from syncline.pipeline.config import DEFAULT_SCHEDULE
+from syncline.schedule.registry import SCHEDULES, ScheduleSpec, check_microbatches
+
+__all__ = ["BACKENDS", "OPTIMIZERS", "TrainConfig"]
+
+OPTIMIZERS = ("adamw", "sgd")
+BACKENDS = ("auto", "gloo", "nccl")
+
+_MODEL, _OPT, _DP = "model and data", "optimisation", "data parallelism"
+_PP, _LAUNCH, _OUT = "pipeline parallelism", "launch (passed to torchrun)", "output"
+
+
+def _layers_per_stage(text: str) -> tuple[int, ...]:
+    """``--balance 2,3`` as ``(2, 3)``; sizes are checked against the model on creation."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(
+            f"balance={text!r} is not a comma-separated list of layers per stage, e.g. 2,2"
+        ) from None
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything ``syncline train`` needs; saved as ``config.json`` in each run directory."""
+
+    model: str = option("gpt", group=_MODEL, metavar="NAME", choices=MODELS.names)
+    """A registered model (:data:`syncline.models.MODELS`): ``gpt`` (byte-level
+    transformer), ``cnn`` (BatchNorm CNN) or a plug-in's."""
+    data: str | None = option(
+        None, group=_MODEL, metavar="NAME", choices=DATASETS.names, default_text="the model's first"
+    )
+    """A registered data set the model trains on; ``None`` picks the model's first
+    (gpt: stdlib; cnn: digits, synthetic)."""
+    model_options: dict[str, Any] = option(
+        default_factory=dict, group=_MODEL, flags=("--model-option",), metavar="KEY=VALUE"
+    )
+    """Fields of the model's config (e.g. ``GPTConfig``'s ``n_layer``), overriding its
+    defaults; repeat the flag for several. The built-in models also have their own flags."""
+    seq_len: int = option(64, group=_MODEL)
+    """Tokens per sample of a sequence model (the GPT's context, in bytes)."""
+    batch_size: int = option(32, group=_OPT)
+    """Global batch: samples per optimizer step over all ranks; must divide evenly."""
+    steps: int = option(300, group=_OPT)
+    """Optimizer steps."""
+    lr: float = option(3e-3, group=_OPT)
+    """Peak learning rate (linear warm-up, then cosine decay to 10 %)."""
+    optimizer: str = option("adamw", group=_OPT, choices=lambda: OPTIMIZERS)
+    """``adamw`` or ``sgd``."""
+    momentum: float = option(0.9, group=_OPT)
+    """SGD momentum, in [0, 1); moves into the compressor when it applies momentum itself."""
+    weight_decay: float = option(0.0, group=_OPT)
+    """Decoupled weight decay."""
+    warmup_steps: int = option(20, group=_OPT)
+    """Linear learning-rate warm-up steps (Goyal et al. 2017), then cosine decay."""
+    seed: int = option(0, group=_OPT)
+    """Seeds the model's initialisation and the data order (each rank derives its shard)."""
+    bucket_cap_mb: float | None = option(None, group=_DP, default_text="measured")
+    """Lazy-allreduce threshold in MiB. ``None``: measured: the engine tries a few bucket
+    plans during the first ~50 steps and keeps the fastest (stateless compressors only;
+    25 with one that keeps per-bucket state)."""
+    first_bucket_cap_mb: float | None = option(None, group=_DP, default_text="1, as DDP")
+    """First bucket in MiB, small so communication starts early in backward."""
+    timeout_s: float = option(300.0, group=_DP, flags=("--timeout",), metavar="SECONDS")
+    """Seconds any wait on another rank may take before it fails naming rank, step and
+    operation."""
+    compression: str = option("none", group=_DP, metavar="SPEC", choices=lambda: forms())
+    """Gradient compressor spec from the compressor registry, e.g. ``fp16`` or
+    ``csc:0.01:warmup=20``; with pipelines it compresses the replicas' REDUCE."""
+    allreduce: str = option("flat", group=_DP, choices=ALLREDUCE.names)
+    """A registered allreduce algorithm: ``flat`` (one ring) or ``hierarchical``
+    (reduce-scatter in each node, allreduce across nodes, allgather in each node)."""
+    ranks_per_node: int | None = option(None, group=_DP, default_text="torchrun's local world")
+    """Node size for ``hierarchical``; smaller values emulate several nodes on one machine."""
+    pipeline_stages: int = option(1, group=_PP, metavar="D")
+    """D, ranks per pipeline; 1 trains with data parallelism only. The world is D x
+    replicas (global rank = stage x replicas + replica)."""
+    microbatches: int | None = option(None, group=_PP, metavar="M", default_text="2 x D")
+    """Micro-batches per batch of a replica; must divide it; the schedule may constrain it."""
+    schedule: str | None = option(
+        None, group=_PP, metavar="NAME", choices=SCHEDULES.names, default_text=DEFAULT_SCHEDULE
+    )
+    """A registered pipeline schedule (:data:`syncline.schedule.SCHEDULES`)."""
+    recompute: bool = option(False, group=_PP)
+    """Keep only stage inputs and recompute each forward before its backward (less
+    activation memory, about one more forward of compute)."""
+    balance: tuple[int, ...] | None = option(
+        None, group=_PP, metavar="N,N,...", parse=_layers_per_stage, default_text="profiled"
+    )
+    """Layers per (virtual) stage, summing to the model's layers; ``None`` profiles the
+    layers on the first micro-batch and balances their times."""
+    nproc_per_node: int = option(2, group=_LAUNCH, flags=("--nproc-per-node", "--nproc"))
+    """Processes (ranks) on this node."""
+    nnodes: int = option(1, group=_LAUNCH)
+    """Number of nodes."""
+    node_rank: int = option(0, group=_LAUNCH)
+    """This node's rank, 0..nnodes-1."""
+    rdzv_endpoint: str | None = option(None, group=_LAUNCH, metavar="HOST:PORT")
+    """Node 0's address for the rendezvous (needed when ``nnodes > 1``)."""
+    backend: str = option("auto", group=_LAUNCH, choices=lambda: BACKENDS)
+    """``auto`` (nccl with GPUs, else gloo), ``gloo`` or ``nccl``."""
+    threads: int = option(1, group=_LAUNCH)
+    """``torch.set_num_threads`` per rank."""
+    emulate_network: str | None = option(None, group=_LAUNCH, metavar="RATE")
+    """Run each node in its own Linux network namespace on this machine, joined by
+    tc-tbf-limited links of RATE (e.g. ``100mbit``); without ``nnodes`` every rank is its
+    own node. Needs root and iproute2; everything it creates is removed afterwards."""
+    plugins: tuple[str, ...] = option(
+        (), group=_LAUNCH, flags=("--plugin",), metavar="MODULE", default_text="none"
+    )
+    """Modules imported in every process before anything else, whose ``register`` calls add
+    models, data sets, compressors, schedules or allreduce algorithms; repeatable. Found on
+    PYTHONPATH or in the current directory."""
+    run_dir: str = option("runs/latest", group=_OUT, default_text="runs/<time>-<model>")
+    """Where config, metrics, plot and checkpoint go."""
+    log_every: int = option(10, group=_OUT)
+    """Print and record metrics every this many steps."""
+    inject_failure: str | None = option(None, group=_OUT, metavar="RANK:STEP")
+    """Testing aid: make RANK exit at STEP, to see the job stop cleanly and name it."""
+
+    def __post_init__(self) -> None:
+        spec = self.model_spec
+        valid_data = spec.datasets
+        if self.data is not None and self.data not in valid_data:
+            raise ConfigError(
+                f"data={self.data!r} does not fit model {self.model!r}; valid: "
+                f"{', '.join(valid_data)}"
+            )
+        DATASETS.get(self.dataset)
+        for name in ("nproc_per_node", "nnodes", "batch_size", "steps", "seq_len", "threads"):
+            check_positive_int(name, getattr(self, name))
+        for name in ("log_every", "pipeline_stages"):
+            check_positive_int(name, getattr(self, name))
+        object.__setattr__(self, "plugins", tuple(self.plugins))
+        object.__setattr__(self, "model_options", spec.coerce_options(self.model_options))
+        self.model_config()  # the model's own checks (unknown options, n_embd % n_head, ...)
+        for name in ("lr", "timeout_s"):
+            check_positive(name, getattr(self, name))
+        for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
+            if getattr(self, name) is not None:
+                check_positive(name, getattr(self, name))
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"momentum={self.momentum!r} must be in [0, 1)")
+        if self.weight_decay < 0 or self.warmup_steps < 0:
+            raise ConfigError(
+                f"weight_decay={self.weight_decay!r} and warmup_steps={self.warmup_steps!r} "
+                "must be >= 0"
+            )
+        self._check_launch()
+        if self.pipeline_stages > 1:
+            self._check_pipeline()
+        elif self.microbatches is not None or self.schedule or self.recompute or self.balance:
+            raise ConfigError(
+                "microbatches, schedule, recompute and balance need pipeline_stages > 1 "
+                f"(got pipeline_stages={self.pipeline_stages}); add --pipeline-stages D"
+            )
+        elif self.batch_size % self.world_size:
+            raise ConfigError(
+                f"batch_size={self.batch_size} is not divisible by the number of ranks "
+                f"{self.world_size} (nnodes={self.nnodes} x nproc_per_node="
+                f"{self.nproc_per_node}); use a multiple of {self.world_size}"
+            )
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(
+                f"optimizer={self.optimizer!r} is not known; valid: {', '.join(OPTIMIZERS)}"
+            )
+        parse(self.compression)  # the grammar; value ranges are the compressor's to check
+
+    def _check_launch(self) -> None:
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ConfigError(f"nnodes={self.nnodes} needs --rdzv-endpoint HOST:PORT")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend={self.backend!r}; valid: {', '.join(BACKENDS)}")
+        if self.inject_failure is not None:
+            self.failure_point()
+        ALLREDUCE.get(self.allreduce)
+        if self.ranks_per_node is not None and (
+            self.ranks_per_node <= 0 or self.world_size % self.ranks_per_node
+        ):
+            raise ConfigError(
+                f"ranks_per_node={self.ranks_per_node} must be positive and divide the "
+                f"{self.world_size} ranks"
+            )
+
+    def _check_pipeline(self) -> None:
+        """Resolve the pipeline defaults and check them against the model and the ranks."""
+        d, world = self.pipeline_stages, self.world_size
+        schedule = self.schedule or DEFAULT_SCHEDULE
+        SCHEDULES.get(schedule)
+        m = 2 * d if self.microbatches is None else self.microbatches
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ConfigError(f"microbatches={m!r} must be a positive integer")
+        object.__setattr__(self, "schedule", schedule)
+        object.__setattr__(self, "microbatches", m)
+        if self.balance is not None:
+            object.__setattr__(self, "balance", tuple(self.balance))
+        stages, layers = self.virtual_stages, self.model_layers
+        if stages > layers:
+            raise ConfigError(
+                f"pipeline_stages={d} needs {stages} stages but the {self.model} model has "
+                f"{layers} layers ({self.model_spec.describe_layers(self.model_config())}); "
+                f"valid: at most {layers} stages"
+            )
+        if world % d:
+            raise ConfigError(
+                f"pipeline_stages={d} does not divide the {world} ranks (nnodes={self.nnodes} "
+                f"x nproc_per_node={self.nproc_per_node}); use a world size that D divides"
+            )
+        replicas = world // d
+        if self.batch_size % replicas or (self.batch_size // replicas) % m:
+            raise ConfigError(
+                f"batch_size={self.batch_size} over {replicas} replica(s) does not split into "
+                f"microbatches={m} equal micro-batches; use a multiple of {replicas * m}"
+            )
+        check_microbatches(schedule, d, m, m_name="microbatches", d_name="pipeline_stages")
+        if self.balance is not None:
+            check_balance(list(self.balance), layers, stages)
+        if not ALLREDUCE.get(self.allreduce).with_pipelines:
+            raise ConfigError(
+                f"allreduce={self.allreduce!r} does not combine with pipeline_stages={d} yet "
+                "(each stage's replicas reduce over one flat group); use --allreduce flat"
+            )
+        if compressor_name(self.compression) != "none" and world == d:
+            raise ConfigError(
+                f"compression={self.compression!r} compresses the gradient allreduce of "
+                f"data-parallel replicas, and pipeline_stages={d} on {world} ranks has none; "
+                f"use a multiple of {d} ranks (e.g. --nproc-per-node {2 * d}) or --compression none"
+            )
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        """The model's registry entry."""
+        return MODELS.get(self.model)
+
+    @property
+    def schedule_spec(self) -> ScheduleSpec | None:
+        """The pipeline schedule's registry entry, or ``None`` without a pipeline."""
+        return SCHEDULES.get(self.schedule) if self.schedule else None
+
+    def model_config(self) -> Any:
+        """The model's shape config: its defaults, ``seq_len`` and ``model_options``."""
+        return self.model_spec.make_config(self.model_options, self.seq_len)
+
+    @property
+    def owns_momentum(self) -> bool:
+        """Whether the compressor applies momentum itself (so SGD must not)."""
+        return COMPRESSORS.get(compressor_name(self.compression)).owns_momentum
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the model is split into a pipeline (``pipeline_stages > 1``)."""
+        return self.pipeline_stages > 1
+
+    @property
+    def model_layers(self) -> int:
+        """Layers of the model's ``nn.Sequential``: what a pipeline can cut.
+
+        Raises:
+            ConfigError: the model cannot be cut into a pipeline.
+        """
+        layers = self.model_spec.num_layers(self.model_config())
+        if layers is None:
+            raise ConfigError(
+                f"model {self.model!r} cannot be cut into a pipeline (its spec gives no "
+                "num_layers); valid: pipeline_stages=1"
+            )
+        return layers
+
+    @property
+    def virtual_stages(self) -> int:
+        """Stages of the pipeline: ``pipeline_stages`` times the schedule's stages per rank."""
+        spec = self.schedule_spec
+        return self.pipeline_stages * (spec.stages_per_rank if spec else 1)
+
+    @property
+    def pipeline_replicas(self) -> int:
+        """Data-parallel replicas of each pipeline stage (1 without a pipeline: all ranks
+        are replicas of one another then, see ``world_size``)."""
+        return self.world_size // self.pipeline_stages
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def dataset(self) -> str:
+        """The data set trained on: ``data``, or the model's default."""
+        return self.data or self.model_spec.datasets[0]
+
+    def failure_point(self) -> tuple[int, int] | None:
+        """``inject_failure`` parsed as (rank, step), or None."""
+        if self.inject_failure is None:
+            return None
+        parts = self.inject_failure.split(":")
+        try:
+            rank, step = (int(p) for p in parts)
+        except ValueError:
+            raise ConfigError(
+                f"inject_failure={self.inject_failure!r} must look like RANK:STEP, e.g. 1:5"
+            ) from None
+        if not 0 <= rank < self.world_size or step < 0:
+            raise ConfigError(
+                f"inject_failure={self.inject_failure!r}: rank must be in [0, {self.world_size})"
+                " and step >= 0"
+            )
+        return rank, step
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as JSON values (tuples as lists), as saved in ``config.json``."""
+        out = asdict(self)
+        for name in ("balance", "plugins"):
+            if out[name] is not None:
+                out[name] = list(out[name])
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown config keys {unknown}; valid: {sorted(known)}")
+        return cls(**data)
