@@ -54,7 +54,11 @@ class TrainConfig:
     """A registered data set the model trains on; ``None`` picks the model's first
     (gpt: stdlib; cnn: digits, synthetic)."""
     model_options: dict[str, Any] = option(
-        default_factory=dict, group=_MODEL, flags=("--model-option",), metavar="KEY=VALUE"
+        default_factory=dict,
+        group=_MODEL,
+        flags=("--model-option",),
+        metavar="KEY=VALUE",
+        default_text="none",
     )
     """Fields of the model's config (e.g. ``GPTConfig``'s ``n_layer``), overriding its
     defaults; repeat the flag for several. The built-in models also have their own flags."""

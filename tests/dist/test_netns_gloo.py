@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from syncline.launch.netns import (
     HOST_IFNAME,
@@ -71,3 +72,34 @@ def test_gloo_allreduce_across_namespaces() -> None:
                 rank.wait()
     for r, (rank, (out, err)) in enumerate(zip(ranks, results, strict=True)):
         assert rank.returncode == 0 and out.strip() == "ok", f"rank {r}: {out}\n{err[-2000:]}"
+
+
+def _allreduce_rank(rank: int, world: int) -> list[float]:
+    import torch.distributed as dist
+
+    t = torch.full((1 << 16,), float(rank + 1))
+    dist.all_reduce(t)
+    return t[:2].tolist()
+
+
+def _failing_rank(rank: int, world: int) -> int:
+    if rank == 1:
+        raise ValueError("rank one gives up")
+    return rank
+
+
+def test_run_ranks_emulated_puts_each_rank_on_its_host_and_names_a_failure() -> None:
+    """The benchmarks' launcher: a function on every emulated host, results back in rank
+    order, and a rank that raises named with its error."""
+    try:
+        check_prerequisites()
+    except NetworkEmulationError as exc:
+        pytest.skip(str(exc))
+    from syncline.testing.emulated import run_ranks_emulated
+    from syncline.testing.harness import RankFailure
+
+    with EmulatedNetwork(WORLD, "200mbit") as net:
+        assert run_ranks_emulated(net, _allreduce_rank, timeout_s=90) == [[3.0, 3.0]] * WORLD
+        with pytest.raises(RankFailure, match="rank 1") as info:
+            run_ranks_emulated(net, _failing_rank, timeout_s=90)
+        assert "rank one gives up" in str(info.value)
