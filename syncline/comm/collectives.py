@@ -284,6 +284,39 @@ def gather_objects(
     ]
 
 
+def allgather_objects(
+    obj: Any, *, group: Group = None, what: str = "allgather", timeout_s: float = 300.0
+) -> list[Any]:
+    """Every rank's ``obj`` (small, ``torch.save``-able), in group-rank order, on every rank.
+
+    For construction-time checks that every rank must fail together (the data-parallel
+    engine's parameter comparison), not for the hot path. Sizes are allgathered first, then
+    the padded payloads; each wait has ``timeout_s`` and names ``what``.
+
+    Raises:
+        CommError, CommTimeout: a peer failed or did not take part in time.
+    """
+    if group_size(group) == 1:
+        return [obj]
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    flat = FlatAllreduce(group, timeout_s=timeout_s)
+    pending, lengths = flat.allgather(
+        torch.tensor([len(data)], dtype=torch.int64), f"{what} (sizes)"
+    )
+    pending.wait()
+    sizes = [int(t.item()) for t in lengths]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8)
+    padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    pending, out = flat.allgather(padded, what)
+    pending.wait()
+    return [
+        torch.load(io.BytesIO(t[:n].numpy().tobytes()), weights_only=False)
+        for t, n in zip(out, sizes, strict=True)
+    ]
+
+
 def build_flat(group: Group, timeout_s: float, ranks_per_node: int | None) -> FlatAllreduce:
     """The ``flat`` entry of :data:`syncline.comm.registry.ALLREDUCE` (node size unused)."""
     del ranks_per_node

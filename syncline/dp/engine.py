@@ -25,9 +25,10 @@ and the bucket tuning :mod:`syncline.dp.autotune`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import weakref
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -47,13 +48,23 @@ __all__ = ["DataParallel", "StepStats"]
 
 _D = DataParallelConfig()  # the defaults of syncline's own settings, written once there
 
+# [Note: one live wrapper per module] A second DataParallel of a module takes over: the
+# previous wrapper's hooks are removed and it refuses to run. Refusing the second one instead
+# would break the commonest re-wrap, ``dp = DataParallel(net)`` run again (a notebook cell, a
+# retry loop), where the old wrapper is still referenced by ``dp`` while the new one is built.
+_OWNER: weakref.WeakKeyDictionary[nn.Module, weakref.ReferenceType[DataParallel]] = (
+    weakref.WeakKeyDictionary()
+)
+
 
 class DataParallel(nn.Module):
     """Data parallelism over a process group; a training loop written for DDP works unchanged.
 
     Args:
-        module: the model; its parameters and buffers are broadcast from rank 0 here, as DDP
-            does, so all replicas start identical.
+        module: the model; every rank's parameters must match rank 0's in names, shapes and
+            dtypes (checked here, before anything is sent, as DDP does); then its parameters
+            and buffers are broadcast from rank 0, so all replicas start identical. A
+            previous DataParallel of the same module stops working (its hooks are removed).
         device_ids, output_device, dim, check_reduction, static_graph: accepted for DDP
             compatibility; on CPU the device arguments are ignored.
         gradient_as_bucket_view: gradients are always views into the flat buffer; this
@@ -62,7 +73,9 @@ class DataParallel(nn.Module):
             gradient-sized set, like DDP's gradients beside its buckets; faster, see
             :meth:`forward`). ``True``: they are freed once their bucket is copied (DDP's
             lean mode).
-        broadcast_buffers, process_group, bucket_cap_mb, find_unused_parameters: as in DDP.
+        broadcast_buffers, process_group, bucket_cap_mb, find_unused_parameters: as in DDP
+            (``broadcast_buffers=False`` also leaves the buffers out of the initial broadcast,
+            as in DDP).
         first_bucket_cap_mb, rebuild_buckets, timeout_s: see :class:`DataParallelConfig`.
         compression: a :class:`~syncline.dp.compression.Compressor` (default: lossless).
         allreduce: ``"flat"`` or a :class:`~syncline.comm.Collective` (e.g. hierarchical).
@@ -76,7 +89,8 @@ class DataParallel(nn.Module):
             tune_min_bucket_mb: see :class:`DataParallelConfig`.
 
     Raises:
-        ConfigError: on invalid sizes, no trainable parameters, mixed parameter dtypes, or
+        ConfigError: on invalid sizes, no trainable parameters, mixed parameter dtypes,
+            parameters (or broadcast buffers) that differ across ranks (on every rank), or
             ``autotune_buckets=True`` with a compressor that keeps per-bucket state.
 
     Example:
@@ -136,11 +150,14 @@ class DataParallel(nn.Module):
         self.module = module
         self.process_group = process_group
         self._comm = _resolve_collective(allreduce, process_group, timeout_s)
+        # first, so that a rank without trainable parameters fails on every rank too
+        _check_same_on_all_ranks(module, broadcast_buffers, process_group, timeout_s)
         names, params = _trainable(module)
 
         # Same starting point on every rank (DDP semantics; the one side effect we must have).
         comm.broadcast_tensors(
-            [p.data for p in module.parameters()] + list(module.buffers()),
+            [p.data for p in module.parameters()]
+            + (list(module.buffers()) if broadcast_buffers else []),
             group=process_group,
             what="initial parameter broadcast",
         )
@@ -159,7 +176,16 @@ class DataParallel(nn.Module):
             group=process_group,
             tuning=self._tuning,
         )
+        self._superseded = False
+        previous = _OWNER.get(module)
+        old = previous() if previous is not None else None
+        if old is not None and old is not self:
+            old._supersede()
+        _OWNER[module] = weakref.ref(self)
         self.install_hooks()
+        # the hooks hold the reducer, never this wrapper; once the wrapper is collected they
+        # are removed (the finalizer holds only their handle list, which stays the same list)
+        self._finalizer = weakref.finalize(self, _remove_handles, self._reducer.hooks)
         self._world_size = comm.group_size(process_group)
         self._sync_enabled = True
         self._buffer_bcast: comm.PackedBroadcast | None = None
@@ -193,6 +219,8 @@ class DataParallel(nn.Module):
         # more CPU on the default GPT, with page faults in backward); freed now, right before
         # forward allocates, their memory is reused warm, as with DDP, whose gradients live
         # until zero_grad. The peak is DDP's too: one gradient-sized set beside the buffer.
+        if self._superseded:
+            self._refuse_superseded()
         self._buf.spent.clear()
         self.finish_buffer_sync()
         if not torch.is_grad_enabled():
@@ -269,11 +297,33 @@ class DataParallel(nn.Module):
     def install_hooks(self) -> None:
         """Attach the ready-hooks to the parameters (done at construction; again after
         :meth:`remove_hooks`). Idempotent."""
+        if self._superseded:
+            self._refuse_superseded()
         self._reducer.install_hooks()
 
     def remove_hooks(self) -> None:
-        """Detach from the module's parameters (e.g. before wrapping it again)."""
+        """Detach from the module's parameters (wrapping it again does this by itself)."""
         self._reducer.remove_hooks()
+
+    def _supersede(self) -> None:
+        """A newer DataParallel of the same module took over: detach and refuse to run."""
+        self.remove_hooks()
+        self._superseded = True
+
+    def _refuse_superseded(self) -> NoReturn:
+        raise ConfigError(
+            "DataParallel: this wrapper was superseded by a newer DataParallel of the same "
+            "module (its hooks are removed); use the newer one"
+        )
+
+    def __getstate__(self) -> NoReturn:
+        # Unpickled, the wrapper would have no hooks and no process group: gradients would
+        # silently stop being averaged. DDP pickles only partially; refusing is clearer.
+        raise ConfigError(
+            "DataParallel cannot be pickled or deep-copied (its gradient hooks and process "
+            "group do not survive it): save model.module.state_dict() instead and wrap the "
+            "loaded module again"
+        )
 
 
 def _autotune_choice(compressor: Compressor, requested: bool | None, no_cap_given: bool) -> bool:
@@ -305,6 +355,70 @@ def _trainable(module: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
     if len(dtypes) > 1:
         raise ConfigError(f"DataParallel: trainable parameters mix dtypes {dtypes}; use one")
     return [n for n, _ in named], [p for _, p in named]
+
+
+def _remove_handles(handles: list[Any]) -> None:
+    """Remove hook handles (the finalizer of a collected wrapper; must not reference it)."""
+    for h in handles:
+        h.remove()
+    handles.clear()
+
+
+Signature = list[tuple[str, tuple[int, ...], str]]
+
+
+def _signature(named: Sequence[tuple[str, torch.Tensor]]) -> Signature:
+    return [(n, tuple(t.shape), str(t.dtype)) for n, t in named]
+
+
+def _check_same_on_all_ranks(
+    module: nn.Module, broadcast_buffers: bool, group: comm.Group, timeout_s: float
+) -> None:
+    """Compare every rank's trainable parameters (DDP's ``_verify_param_shape_across_processes``)
+    and the other tensors the initial broadcast sends, before it sends them.
+
+    Every rank gets every rank's list, so all raise the same :class:`ConfigError` together
+    (naming the first difference of the lowest differing rank) instead of one aborting inside
+    the broadcast and the others waiting for it.
+    """
+    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    others: list[tuple[str, torch.Tensor]] = [
+        (n, p) for n, p in module.named_parameters() if not p.requires_grad
+    ]
+    if broadcast_buffers:
+        others += [(f"buffer {n}", b) for n, b in module.named_buffers()]
+    mine = (_signature(trainable), _signature(others))
+    every = comm.allgather_objects(
+        mine, group=group, what="parameter check across ranks", timeout_s=timeout_s
+    )
+    for rank, theirs in enumerate(every[1:], start=1):
+        for what, ref, got in zip(_KINDS, every[0], theirs, strict=True):
+            problem = _first_difference(what, ref, got, rank)
+            if problem:
+                raise ConfigError(f"DataParallel: {problem}; every rank must wrap the same model")
+
+
+_KINDS = (("trainable parameters", "trainable parameter #"), ("frozen parameters and buffers", "#"))
+
+
+def _first_difference(
+    what: tuple[str, str], ref: Signature, got: Signature, rank: int
+) -> str | None:
+    """Where rank ``rank``'s list ``got`` first differs from rank 0's ``ref``, in words."""
+    for k, ((n0, s0, d0), (n1, s1, d1)) in enumerate(zip(ref, got, strict=False)):
+        if (n0, s0, d0) != (n1, s1, d1):
+            return (
+                f"{what[1]}{k} is {n1!r} of shape {list(s1)} and dtype {d1} on rank {rank} "
+                f"but {n0!r} of shape {list(s0)} and dtype {d0} on rank 0"
+            )
+    if len(ref) != len(got):
+        longer, extra = (ref, 0) if len(ref) > len(got) else (got, rank)
+        first = longer[min(len(ref), len(got))][0]
+        return (
+            f"rank {rank} has {len(got)} {what[0]} and rank 0 has {len(ref)} (the first "
+            f"extra one, on rank {extra}: {first!r})"
+        )
+    return None
 
 
 def _resolve_collective(allreduce: str | Collective, group: comm.Group, timeout_s: float) -> Any:

@@ -34,6 +34,9 @@ class GradBuffer:
             pass.
         layouts: per bucket, each parameter's offset inside the bucket and its shape.
         spent: autograd's gradients already moved into the buffer, kept to be freed later.
+        stand_in: per parameter, whether its ``grad`` is a zeroed view attached in place of
+            ``None`` that no backward has written since: logically still ``None``, so a
+            parameter no rank uses gets ``None`` back, as in DDP and local training.
     """
 
     def __init__(
@@ -43,6 +46,7 @@ class GradBuffer:
         self.caps = caps
         self.keep_spent = keep_spent
         self.spent: list[torch.Tensor] = []
+        self.stand_in = [False] * len(params)
         self.plan: BucketPlan
         self.flat: torch.Tensor
         self.views: list[torch.Tensor] = []
@@ -106,14 +110,21 @@ class GradBuffer:
             self.flat.zero_()
             for p, v in zip(self.params, self.views, strict=True):
                 p.grad = v
+            self.stand_in = [True] * len(self.params)
             return
-        for p, v, g in zip(self.params, self.views, grads, strict=True):
-            if g is None:
-                v.zero_()
-                p.grad = v
-            elif g.data_ptr() != v.data_ptr():
-                v.copy_(g)
-                p.grad = v
+        for i, (p, v, g) in enumerate(zip(self.params, self.views, grads, strict=True)):
+            self.adopt(i, p, v, g)
+
+    def adopt(self, i: int, p: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None) -> None:
+        """Make parameter ``i``'s gradient ``g`` its view ``v`` (zeroed in place of ``None``)."""
+        if g is None:
+            v.zero_()
+            p.grad = v
+            self.stand_in[i] = True
+        elif g.data_ptr() != v.data_ptr():
+            v.copy_(g)
+            p.grad = v
+            self.stand_in[i] = False
 
     def gather_bucket(self, k: int) -> None:
         """Move autograd's fresh gradients of bucket ``k`` into the buffer, in one batched copy.

@@ -125,19 +125,19 @@ class Reducer:
 
     def install_hooks(self) -> None:
         """Attach the ready-hooks to the parameters. Idempotent."""
-        if not self.hooks:
-            self.hooks = [
+        if not self.hooks:  # the same list object always: the engine's finalizer holds it
+            self.hooks.extend(
                 # a partial, not a closure: one Python frame less on a path taken per
                 # parameter per step
                 p.register_post_accumulate_grad_hook(functools.partial(self.on_grad_ready, i))
                 for i, p in enumerate(self.buf.params)
-            ]
+            )
 
     def remove_hooks(self) -> None:
         """Detach the ready-hooks from the parameters."""
         for h in self.hooks:
             h.remove()
-        self.hooks = []
+        self.hooks.clear()
 
     def reset(self) -> None:
         """Start the next backward: nothing ready, nothing launched, nothing in flight."""
@@ -193,14 +193,14 @@ class Reducer:
         """End of a synchronised backward: flush, wait, account, re-lay or re-cut if due."""
         st, buf = self.st, self.buf
         try:
-            self._flush_unready()
+            kept = self._flush_unready()
             t0 = time.perf_counter()
             for pending in st.pending:
                 pending.wait()
             st.finish_buffer_sync()
             exposed = time.perf_counter() - t0
             if self.config.find_unused_parameters:
-                self._drop_globally_unused()
+                self._restore_globally_unused(kept)
             st.last_stats = StepStats(
                 step=st.steps_synced,
                 collectives=len(st.pending),
@@ -216,10 +216,18 @@ class Reducer:
             st.steps_synced += 1
             st.syncs_done += 1
             st.used = [False] * len(buf.params)
+            buf.stand_in = [False] * len(buf.params)
         finally:
             self.reset()
 
-    def _flush_unready(self) -> None:
+    def _flush_unready(self) -> dict[int, torch.Tensor]:
+        """Mark the parameters without a gradient ready (zeros, or the gradient they hold).
+
+        Returns:
+            With ``find_unused_parameters`` and ``gradient_as_bucket_view=False``: the local
+            value of each such parameter's existing gradient, which DDP leaves untouched if no
+            rank used the parameter (:meth:`_restore_globally_unused`).
+        """
         st, buf = self.st, self.buf
         unready = [i for i, r in enumerate(st.ready) if not r]
         if unready and not self.config.find_unused_parameters:
@@ -229,23 +237,37 @@ class Reducer:
                 f"{st.steps_synced}: {names[:8]}; pass find_unused_parameters=True, or "
                 "make every parameter take part in the loss"
             )
+        kept: dict[int, torch.Tensor] = {}
         for i in unready:
             p, view = buf.params[i], buf.views[i]
-            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                view.zero_()
-                p.grad = view
+            buf.adopt(i, p, view, p.grad)  # an existing gradient is reduced, as DDP does
+            if buf.keep_spent and not buf.stand_in[i]:
+                kept[i] = view.clone()
             st.ready[i] = True
             st.remaining[buf.plan.bucket_of[i]] -= 1
         self.launch_ready_buckets()
+        return kept
 
-    def _drop_globally_unused(self) -> None:
-        """A parameter no rank used keeps ``grad=None``, so optimizers skip it (as in DDP)."""
-        st = self.st
-        used = torch.tensor(st.used, dtype=torch.int32, device=self.buf.flat.device)
+    def _restore_globally_unused(self, kept: dict[int, torch.Tensor]) -> None:
+        """A parameter no rank used gets back the gradient it had before this backward.
+
+        As DDP's reducer (``copy_bucket_to_grad`` skips globally unused parameters), and as
+        local training: ``None`` stays ``None`` (optimizers skip it), and an existing gradient
+        (left from an earlier step, or set by the user) keeps its local value. "Unused" means
+        by no backward since the last synchronised one, ``no_sync`` ones included. With
+        ``gradient_as_bucket_view=True`` DDP's gradient *is* the reduced bucket, so there the
+        rank average stays, as in DDP.
+        """
+        st, buf = self.st, self.buf
+        used = torch.tensor(st.used, dtype=torch.int32, device=buf.flat.device)
         self.collective.allreduce(used, f"unused-parameter count at step {st.steps_synced}").wait()
         for i, count in enumerate(used.tolist()):
-            if count == 0:
-                self.buf.params[i].grad = None
+            if count != 0:
+                continue
+            if buf.stand_in[i]:
+                buf.params[i].grad = None
+            elif i in kept:
+                buf.views[i].copy_(kept[i])
 
     def _rebuild_from_observed_order(self) -> None:
         """Re-lay the buffer in the order the first step's gradients became ready (rank 0's)."""

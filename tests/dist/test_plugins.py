@@ -23,6 +23,9 @@ from syncline.testing import run_ranks
 from tests.plugins import toy_plugin
 
 ROOT = Path(__file__).resolve().parents[2]
+# Importing the plug-in registered it (as `--plugin` needs); the entries exist only inside
+# this file's tests (the fixture below) and its rank functions, never in other tests.
+toy_plugin.unregister()
 
 
 @pytest.fixture(autouse=True)
@@ -43,7 +46,9 @@ def _dp_rank(rank: int, world: int) -> dict[str, object]:
     from syncline.dp import build_compressor
     from syncline.models import build_model, model_loss
 
-    import tests.plugins.toy_plugin as plugin  # registers in this spawned rank
+    import tests.plugins.toy_plugin as plugin
+
+    plugin.register()  # in this spawned rank
 
     torch.manual_seed(0)
     model = build_model("toy-mlp", hidden=8)
@@ -77,7 +82,7 @@ def _pipe_rank(rank: int, world: int, schedule: str) -> list[float]:
     from syncline.models import build_model
     from syncline.pipeline import Pipeline
 
-    import tests.plugins.toy_plugin  # noqa: F401  (registers in this spawned rank)
+    toy_plugin.register()  # in this spawned rank
 
     torch.manual_seed(0)
     model = build_model("toy-mlp", hidden=8)
