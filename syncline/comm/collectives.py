@@ -232,6 +232,34 @@ def broadcast_tensors(
     broadcast_tensors_async(tensors, src=src, group=group, what=what).wait()
 
 
+def _padded_payloads(
+    obj: Any, group: Group, what: str, timeout_s: float, device: torch.device | None
+) -> tuple[torch.Tensor, list[int]]:
+    """``obj`` serialised (``torch.save``) into a uint8 tensor padded to the longest payload
+    of the group, and every rank's payload length (allgathered first)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    dev = torch.device("cpu") if device is None else device
+    length = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+    pending, lengths = FlatAllreduce(group, timeout_s=timeout_s).allgather(
+        length, f"{what} (sizes)"
+    )
+    pending.wait()
+    sizes = [int(t.item()) for t in lengths]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=dev)
+    padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return padded, sizes
+
+
+def _loaded(payloads: Sequence[torch.Tensor], sizes: list[int]) -> list[Any]:
+    """The objects :func:`_padded_payloads` serialised, back from the gathered tensors."""
+    return [
+        torch.load(io.BytesIO(t[:n].cpu().numpy().tobytes()), weights_only=False)
+        for t, n in zip(payloads, sizes, strict=True)
+    ]
+
+
 def gather_objects(
     obj: Any,
     *,
@@ -257,64 +285,41 @@ def gather_objects(
     rank, size = group_rank(group), group_size(group)
     if size == 1:
         return [obj]
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    data = buf.getvalue()
-    dev = torch.device("cpu") if device is None else device
-    length = torch.tensor([len(data)], dtype=torch.int64, device=dev)
-    pending, lengths = FlatAllreduce(group, timeout_s=timeout_s).allgather(
-        length, f"{what} (sizes)"
-    )
-    pending.wait()
-    sizes = [int(t.item()) for t in lengths]
-    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=dev)
-    padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    padded, sizes = _padded_payloads(obj, group, what, timeout_s, device)
     out = [torch.empty_like(padded) for _ in range(size)] if rank == dst else None
     global_dst = dst if group is None else dist.get_global_rank(group, dst)
     try:
         work = dist.gather(padded, gather_list=out, dst=global_dst, group=group, async_op=True)
     except RuntimeError as exc:
         raise CommError(f"rank {rank}: {what} could not start: {exc}") from exc
-    Pending([] if work is None else [work], what, timeout_s, rank, wire_bytes=len(data)).wait()
-    if out is None:
-        return None
-    return [
-        torch.load(io.BytesIO(t[:n].cpu().numpy().tobytes()), weights_only=False)
-        for t, n in zip(out, sizes, strict=True)
-    ]
+    Pending([] if work is None else [work], what, timeout_s, rank, wire_bytes=sizes[rank]).wait()
+    return None if out is None else _loaded(out, sizes)
 
 
 def allgather_objects(
-    obj: Any, *, group: Group = None, what: str = "allgather", timeout_s: float = 300.0
+    obj: Any,
+    *,
+    group: Group = None,
+    what: str = "allgather",
+    timeout_s: float = 300.0,
+    device: torch.device | None = None,
 ) -> list[Any]:
     """Every rank's ``obj`` (small, ``torch.save``-able), in group-rank order, on every rank.
 
     For construction-time checks that every rank must fail together (the data-parallel
-    engine's parameter comparison), not for the hot path. Sizes are allgathered first, then
-    the padded payloads; each wait has ``timeout_s`` and names ``what``.
+    engine's parameter comparison), not for the hot path. As :func:`gather_objects`: sizes
+    first, then the padded payloads (on ``device``: NCCL needs GPU tensors); each wait has
+    ``timeout_s`` and names ``what``.
 
     Raises:
         CommError, CommTimeout: a peer failed or did not take part in time.
     """
     if group_size(group) == 1:
         return [obj]
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    data = buf.getvalue()
-    flat = FlatAllreduce(group, timeout_s=timeout_s)
-    pending, lengths = flat.allgather(
-        torch.tensor([len(data)], dtype=torch.int64), f"{what} (sizes)"
-    )
+    padded, sizes = _padded_payloads(obj, group, what, timeout_s, device)
+    pending, out = FlatAllreduce(group, timeout_s=timeout_s).allgather(padded, what)
     pending.wait()
-    sizes = [int(t.item()) for t in lengths]
-    padded = torch.zeros(max(sizes), dtype=torch.uint8)
-    padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    pending, out = flat.allgather(padded, what)
-    pending.wait()
-    return [
-        torch.load(io.BytesIO(t[:n].numpy().tobytes()), weights_only=False)
-        for t, n in zip(out, sizes, strict=True)
-    ]
+    return _loaded(out, sizes)
 
 
 def build_flat(group: Group, timeout_s: float, ranks_per_node: int | None) -> FlatAllreduce:

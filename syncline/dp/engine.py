@@ -388,8 +388,13 @@ def _check_same_on_all_ranks(
     if broadcast_buffers:
         others += [(f"buffer {n}", b) for n, b in module.named_buffers()]
     mine = (_signature(trainable), _signature(others))
+    first = next(module.parameters(), None)  # NCCL exchanges device tensors
     every = comm.allgather_objects(
-        mine, group=group, what="parameter check across ranks", timeout_s=timeout_s
+        mine,
+        group=group,
+        what="parameter check across ranks",
+        timeout_s=timeout_s,
+        device=None if first is None else first.device,
     )
     for rank, theirs in enumerate(every[1:], start=1):
         for what, ref, got in zip(_KINDS, every[0], theirs, strict=True):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import itertools
 from collections.abc import Callable
 
@@ -14,6 +13,7 @@ from syncline.errors import ConfigError
 from syncline.pipeline import Pipeline
 from syncline.pipeline.versions import WeightVersions
 from syncline.schedule import ActionKind, to_chrome_trace
+from tests.zoo.models import reference_training
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 loss_fn: LossFn = nn.functional.cross_entropy
@@ -63,36 +63,14 @@ def _train(pipe: Pipeline, data) -> tuple[list[float], float | None]:
 
 
 def _reference_2bw(data, opt_factory) -> tuple[nn.Module, list[float]]:
-    """W(t+1) = W(t) - lr * grad f(W(t-1)), W(-1) = W(0): the gradient is taken on a copy
-    that lags one step; the optimizer (and its state) acts on the newest weights."""
+    """W(t+1) = W(t) - lr * grad f(W(t-1)), W(-1) = W(0) (the zoo's one-process reference)."""
     model = _mlp()
-    opt = opt_factory(model.parameters())
-    stale = copy.deepcopy(model)
-    losses = []
-    for x, y in data:
-        stale.zero_grad()
-        loss = loss_fn(stale(x), y)
-        loss.backward()
-        losses.append(loss.item())
-        newest = copy.deepcopy(model.state_dict())
-        for p, q in zip(model.parameters(), stale.parameters(), strict=True):
-            p.grad = q.grad.clone()
-        opt.step()
-        stale.load_state_dict(newest)
-    return model, losses
+    return model, reference_training(model, opt_factory, data, loss_fn, stale=True)
 
 
 def _reference_flush(data, opt_factory) -> tuple[nn.Module, list[float]]:
     model = _mlp()
-    opt = opt_factory(model.parameters())
-    losses = []
-    for x, y in data:
-        opt.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        losses.append(loss.item())
-        opt.step()
-    return model, losses
+    return model, reference_training(model, opt_factory, data, loss_fn, stale=False)
 
 
 def _assert_params(got: nn.Module, want: nn.Module) -> None:

@@ -37,25 +37,27 @@ def lm_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def lm_reference(
-    optimizer: OptimizerFactory, *, stale: bool
-) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """``tiny_gpt`` trained in one process on the whole batches of ``lm_batches``.
+def reference_training(
+    model: nn.Module,
+    optimizer: OptimizerFactory,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    stale: bool,
+) -> list[float]:
+    """Train ``model`` in one process on whole batches; returns the loss of every step.
 
     ``stale`` applies 2BW's rule: W(t+1) = W(t) - lr * grad f(W(t-1)), W(-1) = W(0), i.e. the
-    gradient is taken on a copy one step behind and applied to the newest weights.
-
-    Returns:
-        The final state dict and the loss of every step.
+    gradient is taken on a copy one step behind and applied to the newest weights (the
+    optimizer and its state act on the newest).
     """
-    model = tiny_gpt()
     opt = optimizer(model.parameters())
     behind = copy.deepcopy(model)
     losses = []
-    for x, y in lm_batches():
+    for x, y in batches:
         where = behind if stale else model
         where.zero_grad()
-        loss = lm_loss(where(x), y)
+        loss = loss_fn(where(x), y)
         loss.backward()
         losses.append(loss.item())
         newest = copy.deepcopy(model.state_dict())
@@ -63,6 +65,20 @@ def lm_reference(
             p.grad = q.grad.clone()
         opt.step()
         behind.load_state_dict(newest)
+    return losses
+
+
+def lm_reference(
+    optimizer: OptimizerFactory, *, stale: bool
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """``tiny_gpt`` trained in one process on the whole batches of ``lm_batches`` (``stale``:
+    2BW's rule, see :func:`reference_training`).
+
+    Returns:
+        The final state dict and the loss of every step.
+    """
+    model = tiny_gpt()
+    losses = reference_training(model, optimizer, lm_batches(), lm_loss, stale=stale)
     return model.state_dict(), losses
 
 
