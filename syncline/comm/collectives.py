@@ -138,6 +138,27 @@ class FlatAllreduce:
         return self._pending(work, what, tensor.numel() * tensor.element_size()), out
 
 
+def allreduce_sparse(
+    tensor: torch.Tensor, *, group: Group = None, what: str, timeout_s: float = 300.0
+) -> Pending:
+    """Sum a sparse COO ``tensor`` over all ranks, in place (its indices and values change).
+
+    Sparse gradients (``nn.Embedding(sparse=True)``) cannot join a dense bucket; as DDP, each
+    is reduced on its own. gloo allgathers every rank's indices and values and sums them; a
+    backend without sparse collectives (NCCL) fails here with the backend's message.
+    """
+    if not tensor.is_sparse:
+        raise ValueError(f"{what}: allreduce_sparse needs a sparse COO tensor, got {tensor.layout}")
+    nbytes = tensor._indices().numel() * 8 + tensor._values().numel() * tensor.element_size()
+    if group_size(group) == 1:
+        return completed(what)
+    try:
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+    except RuntimeError as exc:
+        raise CommError(f"rank {global_rank()}: {what} could not start: {exc}") from exc
+    return Pending([work], what, timeout_s, global_rank(), wire_bytes=nbytes)
+
+
 def broadcast_tensors_async(
     tensors: Sequence[torch.Tensor],
     *,

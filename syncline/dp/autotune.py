@@ -119,16 +119,15 @@ class BucketTuning:
 
     def _make_tuner(self, start_step: int) -> _Tuner | None:
         cfg, buf = self.config, self.buffer
-        elem = buf.flat.element_size()
         cands, plans, seen = [], [], set()
         for c in bucket_candidates(
-            buf.plan.total_numel * elem,
+            buf.nbytes,
             default_first=buf.caps[0],
             default_cap=buf.caps[1],
             min_bytes=max(1, int(cfg.tune_min_bucket_mb * 2**20)),
         ):
             plan = buf.plan_for(buf.plan.order, c.first_cap_bytes, c.cap_bytes)
-            cuts = tuple(b.end for b in plan.buckets)
+            cuts = tuple((b.flat, b.end) for b in plan.buckets)
             if cuts not in seen:  # caps that cut this model the same way are one candidate
                 seen.add(cuts)
                 cands.append(c)
@@ -144,7 +143,7 @@ class BucketTuning:
         mine = torch.tensor(
             [x for s in tuner.samples for x in s],
             dtype=torch.float64,
-            device=self.buffer.flat.device,
+            device=self.buffer.device,
         )
         pending, gathered = self.collective.allgather(
             mine, f"bucket tuning measurements at step {step}"

@@ -21,12 +21,13 @@ from syncline.errors import ConfigError
 
 @dataclass(frozen=True)
 class Bucket:
-    """A contiguous range ``[start, end)`` of the flat buffer (in elements)."""
+    """A contiguous range ``[start, end)`` (in elements) of flat buffer ``flat``."""
 
     index: int
     start: int
     end: int
     params: tuple[int, ...]
+    flat: int = 0
 
     @property
     def numel(self) -> int:
@@ -35,14 +36,20 @@ class Bucket:
 
 @dataclass(frozen=True)
 class BucketPlan:
-    """Where each parameter lives in the flat buffer, and the buckets over it.
+    """Where each parameter lives in the flat buffers, and the buckets over them.
+
+    One flat buffer per gradient dtype (``kinds``): a bucket is one slice of one buffer, so
+    parameters of several dtypes never share a bucket (as DDP buckets per dtype).
 
     Attributes:
-        offsets: ``offsets[i]`` is parameter ``i``'s first element in the flat buffer.
+        offsets: ``offsets[i]`` is parameter ``i``'s first element in its flat buffer.
         numels: ``numels[i]`` is parameter ``i``'s element count.
         order: parameter indices in layout (expected-ready) order.
-        buckets: in launch order; bucket ``k`` covers the range right after bucket ``k-1``.
+        buckets: in launch order; within one flat buffer, each bucket covers the range
+            right after the previous one of that buffer.
         bucket_of: ``bucket_of[i]`` is the bucket holding parameter ``i``.
+        kinds: ``kinds[i]`` is the flat buffer parameter ``i`` lives in.
+        flat_numels: the element count of each flat buffer.
     """
 
     offsets: tuple[int, ...]
@@ -50,18 +57,21 @@ class BucketPlan:
     order: tuple[int, ...]
     buckets: tuple[Bucket, ...]
     bucket_of: tuple[int, ...]
+    kinds: tuple[int, ...] = ()
+    flat_numels: tuple[int, ...] = ()
 
     @property
     def total_numel(self) -> int:
-        return self.buckets[-1].end if self.buckets else 0
+        return sum(self.flat_numels)
 
 
 def plan_buckets(
     numels: Sequence[int],
     order: Sequence[int],
-    element_size: int,
+    element_size: int | Sequence[int],
     cap_bytes: int,
     first_cap_bytes: int | None = None,
+    kinds: Sequence[int] | None = None,
 ) -> BucketPlan:
     """Plan the flat layout and its buckets.
 
@@ -69,9 +79,13 @@ def plan_buckets(
         numels: element count of each parameter, indexed by parameter.
         order: a permutation of ``range(len(numels))``: the order gradients are expected to
             become ready (for a first guess, reverse registration order).
-        element_size: bytes per element of the gradient dtype.
+        element_size: bytes per element of the gradient dtype (one per kind with ``kinds``).
         cap_bytes: a bucket is closed once it holds at least this many bytes.
         first_cap_bytes: cap for the first bucket only (``None``: same as ``cap_bytes``).
+        kinds: which flat buffer each parameter lives in (one per gradient dtype, numbered
+            from 0); ``None``: all in one. Each kind fills its own open bucket in ``order``;
+            buckets launch in the order they close, the still-open ones last in the order of
+            their first parameter.
 
     Returns:
         The plan; a parameter is never split across buckets.
@@ -84,7 +98,13 @@ def plan_buckets(
         raise ConfigError(f"order={list(order)} must be a permutation of range({n})")
     if any(k <= 0 for k in numels):
         raise ConfigError(f"every parameter needs numel > 0, got {list(numels)}")
-    if element_size <= 0 or cap_bytes <= 0:
+    kind_of = [0] * n if kinds is None else list(kinds)
+    if len(kind_of) != n:
+        raise ConfigError(f"kinds has {len(kind_of)} entries for {n} parameters")
+    sizes = [element_size] if isinstance(element_size, int) else list(element_size)
+    if any(k < 0 or k >= len(sizes) for k in kind_of):
+        raise ConfigError(f"kinds={kind_of} must index element_size={sizes}")
+    if any(e <= 0 for e in sizes) or cap_bytes <= 0:
         raise ConfigError(
             f"element_size={element_size} and cap_bytes={cap_bytes} must both be positive"
         )
@@ -93,21 +113,35 @@ def plan_buckets(
         raise ConfigError(f"first_cap_bytes={first_cap_bytes} must be positive")
 
     offsets = [0] * n
-    bucket_of = [0] * n
-    buckets: list[Bucket] = []
-    members: list[int] = []
-    start = cursor = 0
+    cursor = [0] * len(sizes)
+    start = [0] * len(sizes)
+    members: list[list[int]] = [[] for _ in sizes]
+    closed: list[tuple[int, int, int, tuple[int, ...]]] = []  # (kind, start, end, params)
     for i in order:
-        offsets[i] = cursor
-        cursor += numels[i]
-        members.append(i)
-        cap = first if not buckets else cap_bytes
-        if (cursor - start) * element_size >= cap:
-            buckets.append(Bucket(len(buckets), start, cursor, tuple(members)))
-            members, start = [], cursor
-    if members:
-        buckets.append(Bucket(len(buckets), start, cursor, tuple(members)))
+        k = kind_of[i]
+        offsets[i] = cursor[k]
+        cursor[k] += numels[i]
+        members[k].append(i)
+        cap = first if not closed else cap_bytes
+        if (cursor[k] - start[k]) * sizes[k] >= cap:
+            closed.append((k, start[k], cursor[k], tuple(members[k])))
+            members[k], start[k] = [], cursor[k]
+    position = {i: at for at, i in enumerate(order)}
+    still_open = sorted(
+        (k for k in range(len(sizes)) if members[k]), key=lambda k: position[members[k][0]]
+    )
+    closed += [(k, start[k], cursor[k], tuple(members[k])) for k in still_open]
+    buckets = tuple(Bucket(b, lo, hi, ps, k) for b, (k, lo, hi, ps) in enumerate(closed))
+    bucket_of = [0] * n
     for b in buckets:
         for i in b.params:
             bucket_of[i] = b.index
-    return BucketPlan(tuple(offsets), tuple(numels), tuple(order), tuple(buckets), tuple(bucket_of))
+    return BucketPlan(
+        tuple(offsets),
+        tuple(numels),
+        tuple(order),
+        buckets,
+        tuple(bucket_of),
+        tuple(kind_of),
+        tuple(cursor),
+    )

@@ -22,12 +22,13 @@ class DataParallelConfig:
     """Cap of the first bucket, kept small so that communication starts early in backward
     (DDP's choice); ``None`` means 1 MiB."""
     broadcast_buffers: bool = True
-    """Give every rank rank 0's buffers (e.g. BatchNorm statistics) for every training
-    forward, as DDP does; sent asynchronously right after each forward so that the message
-    overlaps backward instead of delaying the next forward."""
+    """Give every rank rank 0's current buffers (e.g. BatchNorm statistics) before each
+    forward that follows a synchronised training forward, as DDP does (its
+    ``forward_sync_buffers``): one packed broadcast, written without bumping the buffers'
+    version counters."""
     find_unused_parameters: bool = False
     """Allow parameters that get no gradient in a step; they are reduced as zeros, and a
-    parameter unused on every rank keeps ``grad=None``."""
+    parameter unused on every rank keeps the gradient it had (``None`` stays ``None``)."""
     rebuild_buckets: bool = True
     """After the first synchronised backward, re-lay the flat buffer in the order gradients
     actually became ready (rank 0's order, broadcast to all)."""

@@ -26,12 +26,13 @@ and the bucket tuning :mod:`syncline.dp.autotune`.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from syncline import comm
 from syncline.comm.collectives import Collective
@@ -42,6 +43,7 @@ from syncline.dp.compression import Compressor, NoCompression
 from syncline.dp.config import DataParallelConfig
 from syncline.dp.layout import GradBuffer
 from syncline.dp.reducer import Reducer, StepState, StepStats
+from syncline.dp.verify import check_same_on_all_ranks
 from syncline.errors import ConfigError
 
 __all__ = ["DataParallel", "StepStats"]
@@ -65,17 +67,29 @@ class DataParallel(nn.Module):
             dtypes (checked here, before anything is sent, as DDP does); then its parameters
             and buffers are broadcast from rank 0, so all replicas start identical. A
             previous DataParallel of the same module stops working (its hooks are removed).
-        device_ids, output_device, dim, check_reduction, static_graph: accepted for DDP
-            compatibility; on CPU the device arguments are ignored.
+            Names listed in ``module._ddp_params_and_buffers_to_ignore`` (DDP's
+            ``_set_params_and_buffers_to_ignore_for_model``) are neither sent nor averaged.
+            Parameters may mix dtypes (one flat buffer per dtype). Those of an
+            ``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True`` keep sparse gradients,
+            each reduced by its own sparse allreduce at the end of backward, uncompressed.
+        device_ids, output_device, dim, check_reduction, static_graph, batched_grad_copy:
+            accepted for DDP compatibility; on CPU the device arguments are ignored.
+        init_sync: as in DDP: ``False`` skips the check across ranks and the initial
+            broadcast (the ranks keep their own values).
         gradient_as_bucket_view: gradients are always views into the flat buffer; this
             chooses the memory, as in DDP. ``False`` (DDP's default): autograd's own gradient
             tensors, once copied into the buffer, are kept until the next forward (one extra
             gradient-sized set, like DDP's gradients beside its buckets; faster, see
             :meth:`forward`). ``True``: they are freed once their bucket is copied (DDP's
             lean mode).
-        broadcast_buffers, process_group, bucket_cap_mb, find_unused_parameters: as in DDP
-            (``broadcast_buffers=False`` also leaves the buffers out of the initial broadcast,
-            as in DDP).
+        forward_sync_buffers, broadcast_buffers: as in DDP 2.13: rank 0's current buffers
+            are sent to all before a forward that follows a synchronised training forward
+            (``forward_sync_buffers=True``, the default); ``broadcast_buffers`` is its older
+            name, whose ``False`` also leaves the buffers out of the initial broadcast.
+        process_group, bucket_cap_mb, find_unused_parameters: as in DDP.
+        delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
+            device_mesh, skip_all_reduce_unused_params, bucket_cap_mb_list: DDP options
+            without an equivalent here; any value but the default is refused.
         first_bucket_cap_mb, rebuild_buckets, timeout_s: see :class:`DataParallelConfig`.
         compression: a :class:`~syncline.dp.compression.Compressor` (default: lossless).
         allreduce: ``"flat"`` or a :class:`~syncline.comm.Collective` (e.g. hierarchical).
@@ -89,8 +103,8 @@ class DataParallel(nn.Module):
             tune_min_bucket_mb: see :class:`DataParallelConfig`.
 
     Raises:
-        ConfigError: on invalid sizes, no trainable parameters, mixed parameter dtypes,
-            parameters (or broadcast buffers) that differ across ranks (on every rank), or
+        ConfigError: on invalid sizes, no trainable parameters, parameters (or broadcast
+            buffers) that differ across ranks (on every rank), an unsupported DDP option, or
             ``autotune_buckets=True`` with a compressor that keeps per-bucket state.
 
     Example:
@@ -105,13 +119,22 @@ class DataParallel(nn.Module):
         device_ids: list[int] | None = None,
         output_device: int | None = None,
         dim: int = 0,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
         process_group: comm.Group = None,
         bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        delay_all_reduce_named_params: Any = None,
+        param_to_hook_all_reduce: Any = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: list[int] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
         *,
         first_bucket_cap_mb: float | None = None,
         rebuild_buckets: bool = _D.rebuild_buckets,
@@ -126,7 +149,21 @@ class DataParallel(nn.Module):
         tune_min_bucket_mb: float = _D.tune_min_bucket_mb,
     ) -> None:
         super().__init__()
-        del device_ids, output_device, dim, check_reduction, static_graph
+        del device_ids, output_device, dim, check_reduction, static_graph, batched_grad_copy
+        _refuse_unsupported(
+            delay_all_reduce_named_params=delay_all_reduce_named_params,
+            param_to_hook_all_reduce=param_to_hook_all_reduce,
+            mixed_precision=mixed_precision,
+            device_mesh=device_mesh,
+            bucket_cap_mb_list=bucket_cap_mb_list,
+            skip_all_reduce_unused_params=skip_all_reduce_unused_params or None,
+        )
+        # DDP 2.13: forward_sync_buffers replaces broadcast_buffers; only the deprecated
+        # broadcast_buffers=False also leaves the buffers out of the initial broadcast
+        if forward_sync_buffers is not None:
+            sync_buffers, init_sync_buffers = bool(forward_sync_buffers), True
+        else:
+            sync_buffers = init_sync_buffers = broadcast_buffers is not False
         self._compressor: Compressor = compression or NoCompression()
         autotune_buckets = _autotune_choice(
             self._compressor,
@@ -136,7 +173,7 @@ class DataParallel(nn.Module):
         self.config = DataParallelConfig(
             bucket_cap_mb=_D.bucket_cap_mb if bucket_cap_mb is None else bucket_cap_mb,
             first_bucket_cap_mb=first_bucket_cap_mb,
-            broadcast_buffers=broadcast_buffers,
+            broadcast_buffers=sync_buffers,
             find_unused_parameters=find_unused_parameters,
             rebuild_buckets=rebuild_buckets,
             timeout_s=timeout_s,
@@ -150,21 +187,29 @@ class DataParallel(nn.Module):
         self.module = module
         self.process_group = process_group
         self._comm = _resolve_collective(allreduce, process_group, timeout_s)
-        # first, so that a rank without trainable parameters fails on every rank too
-        _check_same_on_all_ranks(module, broadcast_buffers, process_group, timeout_s)
-        names, params = _trainable(module)
+        self._ignored = frozenset(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        if init_sync:  # first, so that a rank without trainable parameters fails on every rank
+            check_same_on_all_ranks(
+                module, self._ignored, init_sync_buffers, process_group, timeout_s
+            )
+        names, params, sparse = _trainable(module, self._ignored)
 
-        # Same starting point on every rank (DDP semantics; the one side effect we must have).
-        comm.broadcast_tensors(
-            [p.data for p in module.parameters()]
-            + (list(module.buffers()) if broadcast_buffers else []),
-            group=process_group,
-            what="initial parameter broadcast",
-        )
+        if init_sync:  # the same starting point on every rank (the one side effect we must have)
+            comm.broadcast_tensors(
+                [p.data for n, p in module.named_parameters() if n not in self._ignored]
+                + (self._buffers_to_sync() if init_sync_buffers else []),
+                group=process_group,
+                what="initial parameter broadcast",
+            )
         caps = (self.config.first_cap_bytes, self.config.cap_bytes)
-        self._buf = GradBuffer(params, caps, keep_spent=not gradient_as_bucket_view)
+        self._buf = GradBuffer(
+            params,
+            caps,
+            keep_spent=not gradient_as_bucket_view,
+            device=sparse[0][1].device if sparse else None,
+        )
         self._buf.install(list(reversed(range(len(params)))))  # backward runs roughly in reverse
-        self._st = StepState(len(params))
+        self._st = StepState(len(params), len(sparse))
         self._tuning = BucketTuning(self.config, self._buf, self._comm)
         self._reducer = Reducer(
             names=names,
@@ -175,6 +220,7 @@ class DataParallel(nn.Module):
             collective=self._comm,
             group=process_group,
             tuning=self._tuning,
+            sparse=sparse,
         )
         self._superseded = False
         previous = _OWNER.get(module)
@@ -188,6 +234,8 @@ class DataParallel(nn.Module):
         self._finalizer = weakref.finalize(self, _remove_handles, self._reducer.hooks)
         self._world_size = comm.group_size(process_group)
         self._sync_enabled = True
+        self._sync_buffers_next = True  # DDP's require_forward_param_sync
+        self._buffer_list: list[torch.Tensor] = []
         self._buffer_bcast: comm.PackedBroadcast | None = None
         self._reducer.reset()
 
@@ -221,37 +269,60 @@ class DataParallel(nn.Module):
         # until zero_grad. The peak is DDP's too: one gradient-sized set beside the buffer.
         if self._superseded:
             self._refuse_superseded()
+        if self._st.deferred:
+            self._refuse_open_reduction()
         self._buf.spent.clear()
-        self.finish_buffer_sync()
+        if self._sync_buffers_next and self.config.broadcast_buffers and self._world_size > 1:
+            self._sync_buffers()
+        training = torch.is_grad_enabled() and self._sync_enabled
+        self._sync_buffers_next = training
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)
         self._st.sync_this_backward = self._sync_enabled
         self._buf.attach_grads(lazy=True)
         out = self.module(*args, **kwargs)
-        if self.config.broadcast_buffers and self._world_size > 1:
-            self._start_buffer_sync()
+        if training:
+            self._st.outputs_pending += _hook_outputs(out, self._reducer.on_output_grad)
         return out
 
-    def _start_buffer_sync(self) -> None:
-        """Send rank 0's buffers (as they are after this forward) to all, off the critical path.
+    def _refuse_open_reduction(self) -> NoReturn:
+        names = self._reducer.unready_names()
+        for pending in self._st.pending:  # nothing left in flight behind the error
+            pending.wait()
+        self._reducer.reset()
+        raise RuntimeError(
+            f"DataParallel: the previous step's gradient reduction did not finish: "
+            f"{len(names)} parameter(s) got no gradient in any backward since the last "
+            f"forward: {names[:8]}; pass find_unused_parameters=True, or make every "
+            "parameter take part in the loss (DDP: 'Expected to have finished reduction in "
+            "the prior iteration')"
+        )
 
-        DDP broadcasts buffers synchronously *before* every forward. Buffers only change in
-        forward (BatchNorm's running statistics), so sending them right *after* it carries the
-        same values to the same next forward, while the message overlaps backward; receivers
-        apply it at the end of backward (or at the next forward, whichever comes first).
+    def _sync_buffers(self) -> None:
+        """Give every rank rank 0's current buffers, before this forward, as DDP does.
+
+        The buffers are looked up again each time (a buffer reassigned since, ``m.b = m.b +
+        1``, is sent too); while they stay the same tensors, the packed message and its
+        per-buffer views are reused. Written without bumping the buffers' version counters
+        (as DDP): a buffer saved for backward by an earlier forward whose backward has not
+        run yet (two forwards, one backward, with BatchNorm) stays usable.
         """
-        if self._buffer_bcast is None:  # the buffers of the first training forward, as DDP
-            buffers = list(self.module.buffers())  # none: every round completes at once
+        buffers = self._buffers_to_sync()
+        if not buffers:
+            return
+        same = len(buffers) == len(self._buffer_list) and all(
+            a is b for a, b in zip(buffers, self._buffer_list, strict=True)
+        )
+        if self._buffer_bcast is None or not same:
+            self._buffer_list = buffers  # strong references: ids of the old ones not reused
             self._buffer_bcast = comm.PackedBroadcast(
                 buffers, group=self.process_group, timeout_s=self.config.timeout_s
             )
-        self._st.buffer_sync = self._buffer_bcast.start(
-            f"buffer broadcast at step {self._st.steps_synced}"
-        )
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+            self._buffer_bcast.start(f"buffer broadcast before step {self._st.steps_synced}").wait()
 
-    def finish_buffer_sync(self) -> None:
-        """Apply a buffer broadcast still in flight (called before forward and after backward)."""
-        self._st.finish_buffer_sync()
+    def _buffers_to_sync(self) -> list[torch.Tensor]:
+        return [b for n, b in self.module.named_buffers() if n not in self._ignored]
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -305,6 +376,23 @@ class DataParallel(nn.Module):
         """Detach from the module's parameters (wrapping it again does this by itself)."""
         self._reducer.remove_hooks()
 
+    def register_comm_hook(self, state: object, hook: object) -> NoReturn:
+        """DDP's communication hooks are not provided: refused, naming what to use instead."""
+        del state, hook
+        raise ConfigError(
+            "DataParallel does not take DDP comm hooks: choose the reduction with "
+            "compression= (e.g. syncline.dp.COMPRESSORS: fp16, bf16, powersgd, topk, csc) "
+            "or allreduce= (e.g. a HierarchicalAllreduce)"
+        )
+
+    def join(self, *args: object, **kwargs: object) -> NoReturn:
+        """DDP's uneven-inputs context is not provided: refused rather than hanging later."""
+        del args, kwargs
+        raise ConfigError(
+            "DataParallel does not support join() (uneven inputs): give every rank the same "
+            "number of batches (e.g. a DistributedSampler with drop_last=True)"
+        )
+
     def _supersede(self) -> None:
         """A newer DataParallel of the same module took over: detach and refuse to run."""
         self.remove_hooks()
@@ -346,15 +434,60 @@ def _autotune_choice(compressor: Compressor, requested: bool | None, no_cap_give
     return requested
 
 
-def _trainable(module: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
-    """The names and tensors of ``module``'s trainable parameters (at least one, one dtype)."""
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    if not named:
-        raise ConfigError("DataParallel: the module has no parameter with requires_grad=True")
-    dtypes = sorted({str(p.dtype) for _, p in named})
-    if len(dtypes) > 1:
-        raise ConfigError(f"DataParallel: trainable parameters mix dtypes {dtypes}; use one")
-    return [n for n, _ in named], [p for _, p in named]
+def _trainable(
+    module: nn.Module, ignored: frozenset[str]
+) -> tuple[list[str], list[torch.Tensor], list[tuple[str, torch.Tensor]]]:
+    """``module``'s trainable parameters not ignored: the dense ones' names and tensors, and
+    the names and tensors of those with sparse gradients (of an ``nn.Embedding`` or
+    ``nn.EmbeddingBag`` with ``sparse=True``, as DDP decides). At least one in all."""
+    names, params, sparse, seen = [], [], [], set()
+    for prefix, sub in module.named_modules():
+        is_sparse = isinstance(sub, nn.Embedding | nn.EmbeddingBag) and sub.sparse
+        for short, p in sub.named_parameters(recurse=False):
+            name = f"{prefix}.{short}" if prefix else short
+            if not p.requires_grad or name in ignored or id(p) in seen:
+                continue
+            seen.add(id(p))
+            if is_sparse:
+                sparse.append((name, p))
+            else:
+                names.append(name)
+                params.append(p)
+    if not params and not sparse:
+        raise ConfigError(
+            "DataParallel: the module has no parameter with requires_grad=True (not counting "
+            "those in _ddp_params_and_buffers_to_ignore)"
+        )
+    return names, params, sparse
+
+
+def _hook_outputs(out: Any, hook: Any) -> int:
+    """Put ``hook`` on every tensor of ``out`` that backward can pass through; how many."""
+    if isinstance(out, torch.Tensor):
+        if out.requires_grad:
+            out.register_hook(hook)
+            return 1
+        return 0
+    hooked = 0
+    for t in tree_leaves(out):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(hook)
+            hooked += 1
+    return hooked
+
+
+_UNSUPPORTED = (
+    "DataParallel does not support {name}={value!r} (a DistributedDataParallel option); "
+    "leave it at its default ({default})"
+)
+
+
+def _refuse_unsupported(**given: Any) -> None:
+    """DDP options with no DataParallel equivalent: refused, never silently ignored."""
+    for name, value in given.items():
+        if value is not None:
+            default = "False" if name == "skip_all_reduce_unused_params" else "None"
+            raise ConfigError(_UNSUPPORTED.format(name=name, value=value, default=default))
 
 
 def _remove_handles(handles: list[Any]) -> None:
@@ -362,68 +495,6 @@ def _remove_handles(handles: list[Any]) -> None:
     for h in handles:
         h.remove()
     handles.clear()
-
-
-Signature = list[tuple[str, tuple[int, ...], str]]
-
-
-def _signature(named: Sequence[tuple[str, torch.Tensor]]) -> Signature:
-    return [(n, tuple(t.shape), str(t.dtype)) for n, t in named]
-
-
-def _check_same_on_all_ranks(
-    module: nn.Module, broadcast_buffers: bool, group: comm.Group, timeout_s: float
-) -> None:
-    """Compare every rank's trainable parameters (DDP's ``_verify_param_shape_across_processes``)
-    and the other tensors the initial broadcast sends, before it sends them.
-
-    Every rank gets every rank's list, so all raise the same :class:`ConfigError` together
-    (naming the first difference of the lowest differing rank) instead of one aborting inside
-    the broadcast and the others waiting for it.
-    """
-    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    others: list[tuple[str, torch.Tensor]] = [
-        (n, p) for n, p in module.named_parameters() if not p.requires_grad
-    ]
-    if broadcast_buffers:
-        others += [(f"buffer {n}", b) for n, b in module.named_buffers()]
-    mine = (_signature(trainable), _signature(others))
-    first = next(module.parameters(), None)  # NCCL exchanges device tensors
-    every = comm.allgather_objects(
-        mine,
-        group=group,
-        what="parameter check across ranks",
-        timeout_s=timeout_s,
-        device=None if first is None else first.device,
-    )
-    for rank, theirs in enumerate(every[1:], start=1):
-        for what, ref, got in zip(_KINDS, every[0], theirs, strict=True):
-            problem = _first_difference(what, ref, got, rank)
-            if problem:
-                raise ConfigError(f"DataParallel: {problem}; every rank must wrap the same model")
-
-
-_KINDS = (("trainable parameters", "trainable parameter #"), ("frozen parameters and buffers", "#"))
-
-
-def _first_difference(
-    what: tuple[str, str], ref: Signature, got: Signature, rank: int
-) -> str | None:
-    """Where rank ``rank``'s list ``got`` first differs from rank 0's ``ref``, in words."""
-    for k, ((n0, s0, d0), (n1, s1, d1)) in enumerate(zip(ref, got, strict=False)):
-        if (n0, s0, d0) != (n1, s1, d1):
-            return (
-                f"{what[1]}{k} is {n1!r} of shape {list(s1)} and dtype {d1} on rank {rank} "
-                f"but {n0!r} of shape {list(s0)} and dtype {d0} on rank 0"
-            )
-    if len(ref) != len(got):
-        longer, extra = (ref, 0) if len(ref) > len(got) else (got, rank)
-        first = longer[min(len(ref), len(got))][0]
-        return (
-            f"rank {rank} has {len(got)} {what[0]} and rank 0 has {len(ref)} (the first "
-            f"extra one, on rank {extra}: {first!r})"
-        )
-    return None
 
 
 def _resolve_collective(allreduce: str | Collective, group: comm.Group, timeout_s: float) -> Any:

@@ -1,11 +1,12 @@
 """The flat gradient buffer: where each gradient lives, how the buffer is cut, grad views.
 
-One contiguous buffer holds every trainable parameter's gradient in the order backward is
-expected to produce them (:mod:`syncline.dp.buckets` computes the plan; this module makes it
-real). Each ``param.grad`` becomes a view into the buffer, so a bucket is one slice and one
-collective, and a gradient byte is written into the buffer once and never copied back.
-Re-cutting the buckets (bucket tuning) moves no memory; re-laying the buffer (a new order)
-does, and keeps the gradients already there.
+One contiguous buffer per gradient dtype (one in the usual case) holds every trainable
+parameter's gradient in the order backward is expected to produce them
+(:mod:`syncline.dp.buckets` computes the plan; this module makes it real). Each
+``param.grad`` becomes a view into the buffer, so a bucket is one slice and one collective,
+and a gradient byte is written into the buffer once and never copied back. Re-cutting the
+buckets (bucket tuning) moves no memory; re-laying the buffer (a new order) does, and keeps
+the gradients already there.
 """
 
 from __future__ import annotations
@@ -22,14 +23,18 @@ class GradBuffer:
     """The flat buffer of a list of parameters, its bucket plan and the gradient views.
 
     Args:
-        params: the trainable parameters, all of one dtype (checked by the engine).
+        params: the trainable dense parameters; one flat buffer is made per dtype among them
+            (in order of first appearance, the same on every rank).
         caps: ``(first bucket cap, cap of the rest)`` in bytes; kept across re-layouts.
         keep_spent: keep autograd's own gradient tensors, once copied into the buffer, in
             :attr:`spent` until the owner clears it (``gradient_as_bucket_view=False``).
+        device: where the buffers live when there is no parameter to ask (a model whose
+            every parameter has a sparse gradient).
 
     Attributes:
         plan: the current layout and buckets (pure data).
-        flat: the buffer; ``views[i]`` is parameter ``i``'s place in it.
+        flats: the buffers, one per dtype; ``views[i]`` is parameter ``i``'s place in its
+            buffer.
         members: per bucket, its parameters and their views, so a launch gathers them in one
             pass.
         layouts: per bucket, each parameter's offset inside the bucket and its shape.
@@ -40,23 +45,33 @@ class GradBuffer:
     """
 
     def __init__(
-        self, params: list[torch.Tensor], caps: tuple[int, int], *, keep_spent: bool
+        self,
+        params: list[torch.Tensor],
+        caps: tuple[int, int],
+        *,
+        keep_spent: bool,
+        device: torch.device | None = None,
     ) -> None:
         self.params = params
+        self._device = params[0].device if params else (device or torch.device("cpu"))
         self.caps = caps
         self.keep_spent = keep_spent
         self.spent: list[torch.Tensor] = []
         self.stand_in = [False] * len(params)
+        dtypes = list(dict.fromkeys(p.dtype for p in params))
+        self.kinds = [dtypes.index(p.dtype) for p in params]
+        self.dtypes = dtypes
         self.plan: BucketPlan
-        self.flat: torch.Tensor
+        self.flats: list[torch.Tensor] = []
         self.views: list[torch.Tensor] = []
         self.members: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
         self.layouts: list[Layout] = []
 
     def plan_for(self, order: list[int] | tuple[int, ...], first_cap: int, cap: int) -> BucketPlan:
         """The plan that lays the parameters out in ``order`` and cuts at the given caps."""
+        sizes = [torch.empty((), dtype=d).element_size() for d in self.dtypes]
         return plan_buckets(
-            [p.numel() for p in self.params], order, self.params[0].element_size(), cap, first_cap
+            [p.numel() for p in self.params], order, sizes, cap, first_cap, self.kinds
         )
 
     def install(self, order: list[int], keep_grads: bool = False) -> None:
@@ -65,19 +80,22 @@ class GradBuffer:
         ``keep_grads``: gradients present now are copied into the new buffer and every such
         ``param.grad`` becomes its new view; otherwise the views are attached later.
         """
-        p0 = self.params[0]
+        device = self._device
         plan = self.plan_for(order, *self.caps)
-        flat = torch.zeros(plan.total_numel, dtype=p0.dtype, device=p0.device)
+        flats = [
+            torch.zeros(n, dtype=d, device=device)
+            for n, d in zip(plan.flat_numels, self.dtypes, strict=True)
+        ]
         views = [
-            flat[off : off + p.numel()].view_as(p)
-            for off, p in zip(plan.offsets, self.params, strict=True)
+            flats[k][off : off + p.numel()].view_as(p)
+            for off, k, p in zip(plan.offsets, self.kinds, self.params, strict=True)
         ]
         if keep_grads:
             for p, v in zip(self.params, views, strict=True):
                 if p.grad is not None:
                     v.copy_(p.grad)
                     p.grad = v
-        self.flat = flat
+        self.flats = flats
         self.views = views
         self.cut(plan)
 
@@ -93,6 +111,20 @@ class GradBuffer:
             for b in plan.buckets
         ]
 
+    def bucket(self, k: int) -> torch.Tensor:
+        """Bucket ``k``'s slice of its flat buffer."""
+        b = self.plan.buckets[k]
+        return self.flats[b.flat][b.start : b.end]
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def nbytes(self) -> int:
+        """The size of the flat buffers, in bytes."""
+        return sum(f.numel() * f.element_size() for f in self.flats)
+
     def attach_grads(self, *, lazy: bool = False) -> None:
         """Make every ``param.grad`` a view into the flat buffer (zeroed where it was None).
 
@@ -107,7 +139,8 @@ class GradBuffer:
         if all(g is None for g in grads):
             if lazy:
                 return
-            self.flat.zero_()
+            for flat in self.flats:
+                flat.zero_()
             for p, v in zip(self.params, self.views, strict=True):
                 p.grad = v
             self.stand_in = [True] * len(self.params)

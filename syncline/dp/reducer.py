@@ -48,14 +48,18 @@ class StepState:
 
     # measured: ~10 us per nn.Module.__setattr__; ~17 a step were 0.2 ms of a 9 ms CNN step
     __slots__ = (
-        "buffer_sync",
+        "any_ready",
+        "deferred",
         "in_backward",
         "last_stats",
         "next_bucket",
         "order_seen",
+        "outputs_pending",
         "pending",
         "ready",
         "remaining",
+        "sparse_ready",
+        "sparse_used",
         "steps_synced",
         "sync_this_backward",
         "syncs_done",
@@ -63,10 +67,14 @@ class StepState:
         "used",
     )
 
-    def __init__(self, num_params: int) -> None:
-        self.buffer_sync: Pending | None = None
+    def __init__(self, num_params: int, num_sparse: int = 0) -> None:
         self.sync_this_backward = True
         self.used = [False] * num_params
+        self.sparse_used = [False] * num_sparse
+        self.sparse_ready = [False] * num_sparse
+        self.any_ready = False
+        self.outputs_pending = 0  # hooked outputs no backward has passed through yet
+        self.deferred = False  # a backward ended with the reduction still incomplete
         self.steps_synced = 0
         self.syncs_done = 0  # synchronised backwards since construction (the tuning clock)
         self.t_first_ready = 0.0
@@ -78,26 +86,23 @@ class StepState:
         self.in_backward = False
         self.order_seen: list[int] = []
 
-    def finish_buffer_sync(self) -> None:
-        """Apply a buffer broadcast still in flight, if any."""
-        pending, self.buffer_sync = self.buffer_sync, None
-        if pending is not None:
-            pending.wait()
-
 
 class Reducer:
     """Averages the gradients of ``buffer``'s parameters over the ranks during backward.
 
     Args:
-        names: the parameters' names, for error messages.
-        buffer: the flat buffer and its buckets.
+        names: the dense parameters' names, for error messages.
+        buffer: the flat buffers and their buckets.
         state: the per-step bookkeeping, shared with the engine's forward.
         config: the engine's settings.
         compressor: reduces every bucket from the second synchronised step on (the first
             runs lossless, as its buckets may still be re-laid).
         collective: the collective the compressor and the bookkeeping talk through.
-        group: the process group (for the broadcast of the observed order).
+        group: the process group (for the broadcast of the observed order, and the sparse
+            gradients' collectives).
         tuning: the bucket tuning, told each synchronised backward's time while pending.
+        sparse: the names and tensors of the parameters with sparse gradients (reduced
+            one by one at the end of backward, outside the buffer).
     """
 
     def __init__(
@@ -111,6 +116,7 @@ class Reducer:
         collective: Collective,
         group: comm.Group,
         tuning: BucketTuning,
+        sparse: list[tuple[str, torch.Tensor]] = [],  # noqa: B006 (never mutated)
     ) -> None:
         self.names = names
         self.buf = buffer
@@ -121,6 +127,9 @@ class Reducer:
         self.collective = collective
         self.group = group
         self.tuning = tuning
+        self.sparse_names = [n for n, _ in sparse]
+        self.sparse_params = [p for _, p in sparse]
+        self.world_size = comm.group_size(group)
         self.hooks: list[Any] = []
 
     def install_hooks(self) -> None:
@@ -131,6 +140,10 @@ class Reducer:
                 # parameter per step
                 p.register_post_accumulate_grad_hook(functools.partial(self.on_grad_ready, i))
                 for i, p in enumerate(self.buf.params)
+            )
+            self.hooks.extend(
+                p.register_post_accumulate_grad_hook(functools.partial(self.on_sparse_ready, j))
+                for j, p in enumerate(self.sparse_params)
             )
 
     def remove_hooks(self) -> None:
@@ -143,11 +156,43 @@ class Reducer:
         """Start the next backward: nothing ready, nothing launched, nothing in flight."""
         st = self.st
         st.ready = [False] * len(self.buf.params)
+        st.sparse_ready = [False] * len(self.sparse_params)
+        st.any_ready = False
         st.remaining = [len(b.params) for b in self.buf.plan.buckets]
         st.next_bucket = 0
         st.pending = []
         st.in_backward = False
         st.order_seen = []
+        st.outputs_pending = 0
+        st.deferred = False
+
+    # [Note: end of backward] The flush runs as an autograd callback, queued on the graph
+    # task of the backward that runs it. The hooks on the wrapper's outputs queue it: they fire
+    # in the user's (outer) backward before any parameter's gradient, so under re-entrant
+    # checkpointing, whose recomputed layers run their own nested backward inside the outer
+    # one, the flush still comes once, at the end of the outer backward (queued from a
+    # parameter's hook, it came when the nested backward ended, before the other gradients).
+    # A parameter's hook queues it only when no output hook did (the loss did not come from
+    # the wrapper's outputs). A backward that reaches no parameter (``autograd.grad`` with
+    # respect to inputs) leaves everything as it was. Without find_unused_parameters, a
+    # backward that ends with parameters still waiting while some output has not been
+    # backpropagated yet leaves the reduction open for the next backward (one forward, one
+    # backward per output: DDP finishes once every parameter is ready, however many backwards
+    # that takes); the next forward refuses to start over an open one (DDP's "Expected to
+    # have finished reduction in the prior iteration").
+    def on_output_grad(self, grad: torch.Tensor) -> None:
+        """The hook on each of the wrapper's outputs: a backward passes through it."""
+        del grad
+        st = self.st
+        st.outputs_pending = max(0, st.outputs_pending - 1)
+        if st.sync_this_backward and not st.in_backward:
+            self._begin_backward()
+
+    def _begin_backward(self) -> None:
+        st = self.st
+        st.in_backward = True
+        st.t_first_ready = time.perf_counter()
+        torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
     def on_grad_ready(self, i: int, _param: torch.Tensor) -> None:
         """The hook of parameter ``i``: mark it ready; launch the buckets this completes."""
@@ -160,22 +205,39 @@ class Reducer:
         if not st.sync_this_backward:
             return
         if not st.in_backward:
-            st.in_backward = True
-            st.t_first_ready = time.perf_counter()
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+            self._begin_backward()
         if st.ready[i]:
-            raise RuntimeError(
-                f"DataParallel: parameter {self.names[i]!r} got its gradient twice in one "
-                "backward (re-entrant checkpointing over a shared parameter?); DDP refuses "
-                "this too: use non-reentrant checkpointing"
-            )
+            self._twice(self.names[i])
         st.ready[i] = True
+        st.any_ready = True
         if st.steps_synced == 0 and self.config.rebuild_buckets:
             st.order_seen.append(i)  # only the first step's order is ever used
         b = self.buf.plan.bucket_of[i]
         st.remaining[b] -= 1
         if st.remaining[b] == 0:  # buckets launch in order: only a full one can start any
             self.launch_ready_buckets()
+
+    def on_sparse_ready(self, j: int, _param: torch.Tensor) -> None:
+        """The hook of sparse-gradient parameter ``j``: mark it ready (reduced at the end)."""
+        st = self.st
+        st.sparse_used[j] = True
+        if not st.sync_this_backward:
+            return
+        if not st.in_backward:
+            self._begin_backward()
+        if st.sparse_ready[j]:
+            self._twice(self.sparse_names[j])
+        st.sparse_ready[j] = True
+        st.any_ready = True
+
+    @staticmethod
+    def _twice(name: str) -> None:
+        raise RuntimeError(
+            f"DataParallel: parameter {name!r} got its gradient twice in one backward "
+            "(a layer checkpointed twice with re-entrant checkpointing?); DDP refuses this "
+            "too ('Expected to mark a variable ready only once'): use non-reentrant "
+            "checkpointing (use_reentrant=False)"
+        )
 
     def launch_ready_buckets(self) -> None:
         """Start the collectives of the next buckets whose parameters are all ready."""
@@ -186,26 +248,32 @@ class Reducer:
             buf.gather_bucket(b.index)
             compressor = self.compressor if st.steps_synced > 0 else self.dense
             ref = BucketRef(b.index, st.steps_synced, buf.layouts[b.index])
-            st.pending.append(compressor.reduce(ref, buf.flat[b.start : b.end], self.collective))
+            st.pending.append(compressor.reduce(ref, buf.bucket(b.index), self.collective))
             st.next_bucket += 1
 
     def finish_backward(self) -> None:
         """End of a synchronised backward: flush, wait, account, re-lay or re-cut if due."""
         st, buf = self.st, self.buf
+        if st.any_ready and self._stays_open():
+            st.in_backward = False  # the next backward queues its own callback
+            st.deferred = True
+            return
         try:
+            if not st.any_ready:  # no parameter in this backward: nothing to reduce
+                return
             kept = self._flush_unready()
+            kept_sparse = self._reduce_sparse()
             t0 = time.perf_counter()
             for pending in st.pending:
                 pending.wait()
-            st.finish_buffer_sync()
             exposed = time.perf_counter() - t0
             if self.config.find_unused_parameters:
-                self._restore_globally_unused(kept)
+                self._restore_globally_unused(kept, kept_sparse)
             st.last_stats = StepStats(
                 step=st.steps_synced,
                 collectives=len(st.pending),
                 wire_bytes=sum(p.wire_bytes for p in st.pending),
-                dense_bytes=buf.flat.numel() * buf.flat.element_size(),
+                dense_bytes=buf.nbytes,
                 exposed_comm_s=exposed,
             )
             if st.steps_synced == 0 and self.config.rebuild_buckets:
@@ -216,9 +284,23 @@ class Reducer:
             st.steps_synced += 1
             st.syncs_done += 1
             st.used = [False] * len(buf.params)
+            st.sparse_used = [False] * len(self.sparse_params)
             buf.stand_in = [False] * len(buf.params)
         finally:
             self.reset()
+
+    def _stays_open(self) -> bool:
+        """Whether this reduction waits for a further backward (see [Note: end of backward])."""
+        st = self.st
+        if self.config.find_unused_parameters or st.outputs_pending == 0:
+            return False
+        return not (all(st.ready) and all(st.sparse_ready))
+
+    def unready_names(self) -> list[str]:
+        """The parameters the current reduction still waits for."""
+        st = self.st
+        names = [n for n, r in zip(self.names, st.ready, strict=True) if not r]
+        return names + [n for n, r in zip(self.sparse_names, st.sparse_ready, strict=True) if not r]
 
     def _flush_unready(self) -> dict[int, torch.Tensor]:
         """Mark the parameters without a gradient ready (zeros, or the gradient they hold).
@@ -230,13 +312,14 @@ class Reducer:
         """
         st, buf = self.st, self.buf
         unready = [i for i, r in enumerate(st.ready) if not r]
-        if unready and not self.config.find_unused_parameters:
-            names = [self.names[i] for i in unready]
-            raise RuntimeError(
-                f"DataParallel: {len(names)} parameter(s) got no gradient in step "
-                f"{st.steps_synced}: {names[:8]}; pass find_unused_parameters=True, or "
-                "make every parameter take part in the loss"
-            )
+        if not self.config.find_unused_parameters:
+            names = self.unready_names()
+            if names:
+                raise RuntimeError(
+                    f"DataParallel: {len(names)} parameter(s) got no gradient in step "
+                    f"{st.steps_synced}: {names[:8]}; pass find_unused_parameters=True, or "
+                    "make every parameter take part in the loss"
+                )
         kept: dict[int, torch.Tensor] = {}
         for i in unready:
             p, view = buf.params[i], buf.views[i]
@@ -248,7 +331,49 @@ class Reducer:
         self.launch_ready_buckets()
         return kept
 
-    def _restore_globally_unused(self, kept: dict[int, torch.Tensor]) -> None:
+    def _reduce_sparse(self) -> dict[int, torch.Tensor | None]:
+        """Start the sum of every sparse gradient, after the buckets, in parameter order.
+
+        As DDP: each sparse gradient is its own collective (gloo allgathers indices and
+        values), divided by the world size first; the result, still sparse, becomes
+        ``param.grad``. A parameter this rank did not use sends an empty gradient.
+
+        Returns:
+            With ``find_unused_parameters``: per such locally unused parameter, the gradient
+            it had (``None`` or a copy), restored if no rank used it.
+        """
+        st = self.st
+        kept: dict[int, torch.Tensor | None] = {}
+        for j, p in enumerate(self.sparse_params):
+            g = p.grad
+            if not st.sparse_ready[j] and self.config.find_unused_parameters:
+                kept[j] = None if g is None else g.clone()
+            if g is None:
+                g = torch.sparse_coo_tensor(
+                    torch.empty((1, 0), dtype=torch.long, device=p.device),
+                    p.new_empty((0, *p.shape[1:])),
+                    p.shape,
+                )
+            elif not g.is_sparse:
+                raise RuntimeError(
+                    f"DataParallel: parameter {self.sparse_names[j]!r} belongs to a module "
+                    "with sparse=True but has a dense gradient; set the module's sparse flag "
+                    "before wrapping"
+                )
+            if self.world_size > 1:
+                g.div_(self.world_size)
+            p.grad = g
+            what = f"sparse gradient {self.sparse_names[j]!r} at step {st.steps_synced}"
+            st.pending.append(
+                comm.allreduce_sparse(
+                    g, group=self.group, what=what, timeout_s=self.config.timeout_s
+                )
+            )
+        return kept
+
+    def _restore_globally_unused(
+        self, kept: dict[int, torch.Tensor], kept_sparse: dict[int, torch.Tensor | None]
+    ) -> None:
         """A parameter no rank used gets back the gradient it had before this backward.
 
         As DDP's reducer (``copy_bucket_to_grad`` skips globally unused parameters), and as
@@ -259,15 +384,19 @@ class Reducer:
         rank average stays, as in DDP.
         """
         st, buf = self.st, self.buf
-        used = torch.tensor(st.used, dtype=torch.int32, device=buf.flat.device)
+        used = torch.tensor(st.used + st.sparse_used, dtype=torch.int32, device=buf.device)
         self.collective.allreduce(used, f"unused-parameter count at step {st.steps_synced}").wait()
-        for i, count in enumerate(used.tolist()):
+        counts = used.tolist()
+        for i, count in enumerate(counts[: len(buf.params)]):
             if count != 0:
                 continue
             if buf.stand_in[i]:
                 buf.params[i].grad = None
             elif i in kept:
                 buf.views[i].copy_(kept[i])
+        for j, count in enumerate(counts[len(buf.params) :]):
+            if count == 0 and j in kept_sparse:
+                self.sparse_params[j].grad = kept_sparse[j]
 
     def _rebuild_from_observed_order(self) -> None:
         """Re-lay the buffer in the order the first step's gradients became ready (rank 0's)."""
@@ -281,13 +410,21 @@ class Reducer:
             self.buf.install(new_order, keep_grads=True)
 
     def sync_all(self) -> StepStats:
-        """Average the whole buffer now, bucket by bucket, lossless (outside any backward)."""
+        """Average the whole buffer (and any sparse gradients) now, lossless, outside any
+        backward."""
         buf, step = self.buf, self.st.steps_synced
         buf.attach_grads()
         pending = []
         for b in buf.plan.buckets:
             ref = BucketRef(b.index, step, buf.layouts[b.index])
-            pending.append(self.dense.reduce(ref, buf.flat[b.start : b.end], self.collective))
+            pending.append(self.dense.reduce(ref, buf.bucket(b.index), self.collective))
+        saved, self.st.pending = self.st.pending, pending
+        self.st.sparse_ready = [True] * len(self.sparse_params)
+        try:
+            self._reduce_sparse()
+        finally:
+            self.st.pending = saved
+            self.st.sparse_ready = [False] * len(self.sparse_params)
         t0 = time.perf_counter()
         for p in pending:
             p.wait()
@@ -295,6 +432,6 @@ class Reducer:
             step=step,
             collectives=len(pending),
             wire_bytes=sum(p.wire_bytes for p in pending),
-            dense_bytes=buf.flat.numel() * buf.flat.element_size(),
+            dense_bytes=buf.nbytes,
             exposed_comm_s=time.perf_counter() - t0,
         )

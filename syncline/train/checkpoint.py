@@ -4,6 +4,11 @@ Format: an 8-byte magic, the 32-byte SHA-256 of the payload, then the ``torch.sa
 The file is written to a temporary name in the same directory, fsync'ed, then renamed over
 the target, so a crash leaves either the old checkpoint or the new one, never half of one; a
 flipped or truncated byte is caught by the digest before ``torch.load`` sees it.
+
+The digest stops corruption, not an attacker (who writes a matching digest), so the payload is
+read with ``torch.load(weights_only=True)``: only tensors and plain containers of numbers and
+strings are rebuilt, and a payload that would import or call anything else is refused with a
+:class:`~syncline.errors.CheckpointError` before any of its code runs.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import pickle
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -54,8 +60,9 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read and verify a checkpoint written by :func:`save_checkpoint`.
 
     Raises:
-        CheckpointError: when the file is missing, not a syncline checkpoint, truncated or
-            corrupted (digest mismatch).
+        CheckpointError: when the file is missing, not a syncline checkpoint, truncated,
+            corrupted (digest mismatch), or holds anything but tensors and plain data (a
+            payload that would run code on load).
     """
     source = Path(path)
     if not source.is_file():
@@ -70,7 +77,14 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"{source} is corrupted or truncated: SHA-256 of its {len(payload)} payload bytes "
             "does not match the recorded digest"
         )
-    state = torch.load(io.BytesIO(payload), weights_only=False)
+    try:
+        state = torch.load(io.BytesIO(payload), weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"{source} holds objects a checkpoint may not (only tensors, numbers, strings and "
+            f"their lists and dicts are loaded; nothing in it was run): {first}"
+        ) from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{source} holds {type(state).__name__}, expected a dict")
     return state

@@ -46,3 +46,32 @@ def test_corruption_is_detected(tmp_path, damage) -> None:
 def test_missing_file(tmp_path) -> None:
     with pytest.raises(CheckpointError, match="does not exist"):
         load_checkpoint(tmp_path / "nope.pt")
+
+
+class _RunsCode:
+    """What a malicious payload pickles: unpickling it would call ``os.system``."""
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch PWNED_BY_CHECKPOINT",))
+
+
+def test_payload_that_runs_code_is_refused_and_never_runs(tmp_path, monkeypatch) -> None:
+    """A well-formed file (right magic, matching digest) whose payload pickles ``os.system``:
+    refused with CheckpointError naming the file, and the command never ran."""
+    import hashlib
+    import io
+
+    from syncline.train.checkpoint import MAGIC
+
+    monkeypatch.chdir(tmp_path)
+    buf = io.BytesIO()
+    torch.save({"model": {}, "evil": _RunsCode()}, buf)
+    payload = buf.getvalue()
+    path = tmp_path / "evil.pt"
+    path.write_bytes(MAGIC + hashlib.sha256(payload).digest() + payload)
+    with pytest.raises(CheckpointError, match=r"evil\.pt") as info:
+        load_checkpoint(path)
+    assert "nothing in it was run" in str(info.value)
+    assert not (tmp_path / "PWNED_BY_CHECKPOINT").exists()
