@@ -96,6 +96,8 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
         ConfigError: naming the bad value, before any process starts.
     """
     values = values_from(ns)
+    if values.get("resume") is not None:
+        values = _resumed_values(values)
     if "run_dir" not in values:
         model = values.get("model", _D.model)
         values["run_dir"] = f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{model}"
@@ -110,6 +112,59 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
 
     build_compressor(cfg.compression)  # the compressor's own range checks, before any work
     return cfg
+
+
+# what a resumed run may set again: the length of the run, and how it is launched and logged
+_MAY_CHANGE_ON_RESUME = frozenset(
+    {
+        "steps",
+        "resume",
+        "max_restarts",
+        "log_every",
+        "timeout_s",
+        "threads",
+        "rdzv_endpoint",
+        "node_rank",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "inject_failure",
+        "plugins",
+    }
+)
+
+
+def _resumed_values(given: dict[str, object]) -> dict[str, object]:
+    """``--resume RUN_DIR``: the run's own config.json, with the values that may change.
+
+    Raises:
+        ConfigError: no config.json or no complete checkpoint there, or a given option that
+            differs from the run's (naming it and what may change).
+    """
+    run = Path(str(given["resume"]))
+    path = run / "config.json"
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"resume={str(run)!r}: cannot read {path} ({exc})") from None
+    for key, value in given.items():
+        if key in _MAY_CHANGE_ON_RESUME:
+            continue
+        mine = TrainConfig.from_dict({**stored, key: value}).to_dict()[key]
+        if mine != stored.get(key):
+            raise ConfigError(
+                f"resume={str(run)!r}: {key}={value!r} differs from the run's "
+                f"{stored.get(key)!r}; a resumed run keeps its config (may change: "
+                f"{', '.join(sorted(_MAY_CHANGE_ON_RESUME - {'resume'}))})"
+            )
+    from syncline.train.snapshots import SnapshotStore
+
+    if SnapshotStore(run / "checkpoints", keep=1).latest() is None:
+        raise ConfigError(
+            f"resume={str(run)!r}: no complete checkpoint under {run / 'checkpoints'}; "
+            "nothing to resume (checkpoints are written every --checkpoint-every steps)"
+        )
+    merged = {**stored, "inject_failure": None, **given, "run_dir": str(run), "resume": str(run)}
+    return merged
 
 
 def _check_emulation(rate: str, values: dict[str, object]) -> None:
@@ -135,7 +190,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    if cfg.resume is None:
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     config_path = run_dir / "config.json"
     config_path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     pipeline = (
@@ -158,6 +214,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
         rdzv_endpoint=cfg.rdzv_endpoint,
         threads_per_rank=cfg.threads,
         log_dir=str(run_dir / "logs"),
+        max_restarts=cfg.max_restarts,
     )
     if cfg.emulate_network:
         from syncline.launch.emulated import launch_emulated

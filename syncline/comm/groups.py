@@ -65,7 +65,30 @@ def init_from_env(*, backend: str = "gloo", timeout_s: float = 300.0) -> tuple[i
             f"environment variables {missing} are not set; start the job with torchrun "
             "or `syncline train`"
         )
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # [Note: one store namespace per attempt] Under torchrun the workers share the
+        # agent's TCPStore, which lives across restarts; torch 2.13's env:// handler no longer
+        # prefixes it per attempt, so a restarted worker could read a peer's gloo address
+        # from the failed attempt and fail with "Connection refused" (seen with
+        # --max-restarts). Each attempt gets its own namespace here.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        agent = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            int(os.environ["WORLD_SIZE"]),
+            is_master=False,
+            timeout=timeout,
+        )
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"/syncline/attempt_{attempt}", agent),
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=timeout,
+        )
+    else:
+        dist.init_process_group(backend, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
 
 

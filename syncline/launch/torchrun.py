@@ -30,11 +30,16 @@ class LaunchSpec:
     rdzv_endpoint: str | None = None
     threads_per_rank: int = 1
     log_dir: str | None = None
+    max_restarts: int = 0
 
 
 def torchrun_argv(spec: LaunchSpec) -> list[str]:
     """The ``torchrun`` command line for ``spec`` (also what a user can run by hand)."""
-    argv = [f"--nproc-per-node={spec.nproc_per_node}", "--max-restarts=0", "--monitor-interval=0.2"]
+    argv = [
+        f"--nproc-per-node={spec.nproc_per_node}",
+        f"--max-restarts={spec.max_restarts}",
+        "--monitor-interval=0.2",
+    ]
     if spec.nnodes == 1 and not spec.rdzv_endpoint:
         argv.append("--standalone")
     else:

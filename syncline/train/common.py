@@ -63,9 +63,10 @@ def set_lr(optimizers: list[torch.optim.Optimizer], lr: float) -> None:
             group["lr"] = lr
 
 
-def fail_if_injected(cfg: TrainConfig, rank: int, step: int) -> None:
-    """Exit this rank with code 17 at the step ``--inject-failure`` names (a testing aid:
-    the job must stop cleanly and name the rank)."""
-    if cfg.failure_point() == (rank, step):
+def fail_if_injected(cfg: TrainConfig, rank: int, step: int, attempt: int = 0) -> None:
+    """Exit this rank with code 17 at the step ``--inject-failure`` names, in the first
+    attempt only (a testing aid: the job must stop cleanly and name the rank, or, with
+    ``--max-restarts``, restart and complete)."""
+    if attempt == 0 and cfg.failure_point() == (rank, step):
         print(f"rank {rank}: injected failure at step {step}", file=sys.stderr, flush=True)
         os._exit(17)

@@ -29,6 +29,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 
 _MODEL, _OPT, _DP = "model and data", "optimisation", "data parallelism"
 _PP, _LAUNCH, _OUT = "pipeline parallelism", "launch (passed to torchrun)", "output"
+_CKPT = "checkpoints and failures"
 
 
 def _layers_per_stage(text: str) -> tuple[int, ...]:
@@ -141,7 +142,23 @@ class TrainConfig:
     log_every: int = option(10, group=_OUT)
     """Print and record metrics every this many steps."""
     inject_failure: str | None = option(None, group=_OUT, metavar="RANK:STEP")
-    """Testing aid: make RANK exit at STEP, to see the job stop cleanly and name it."""
+    """Testing aid: make RANK exit at STEP, to see the job stop cleanly and name it. Fires
+    only in the first attempt, so a job restarted by ``max_restarts`` completes."""
+    checkpoint_every: int | None = option(
+        None, group=_CKPT, metavar="N", default_text="100 with data parallelism, else 0"
+    )
+    """Write a complete sharded checkpoint (every rank its part, in parallel, published
+    atomically) under RUN_DIR/checkpoints every N steps; 0: only the final checkpoint.pt.
+    Pipelines do not write periodic checkpoints yet (a value > 0 is refused there)."""
+    keep_checkpoints: int = option(2, group=_CKPT, metavar="K")
+    """How many of the newest periodic checkpoints to keep."""
+    resume: str | None = option(None, group=_CKPT, metavar="RUN_DIR")
+    """Continue the run in RUN_DIR from its newest complete checkpoint, with its own
+    config.json; only ``steps`` (to extend the run) and launch/output settings may be given
+    again. The continuation is bit-identical to an uninterrupted run."""
+    max_restarts: int = option(0, group=_CKPT, metavar="K")
+    """Let torchrun restart every worker up to K times after a failure; restarted workers
+    resume from the newest checkpoint by themselves."""
 
     def __post_init__(self) -> None:
         spec = self.model_spec
@@ -154,8 +171,20 @@ class TrainConfig:
         DATASETS.get(self.dataset)
         for name in ("nproc_per_node", "nnodes", "batch_size", "steps", "seq_len", "threads"):
             check_positive_int(name, getattr(self, name))
-        for name in ("log_every", "pipeline_stages"):
+        for name in ("log_every", "pipeline_stages", "keep_checkpoints"):
             check_positive_int(name, getattr(self, name))
+        if self.checkpoint_every is None:
+            object.__setattr__(self, "checkpoint_every", 0 if self.pipeline_stages > 1 else 100)
+        for name in ("checkpoint_every", "max_restarts"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name}={value!r} must be an integer >= 0")
+        if self.pipeline_stages > 1 and (self.checkpoint_every or self.resume):
+            raise ConfigError(
+                f"checkpoint_every={self.checkpoint_every} / resume={self.resume!r}: periodic "
+                "checkpoints and resume are not implemented for pipelines yet; valid: "
+                "checkpoint_every=0 and no resume with pipeline_stages > 1"
+            )
         object.__setattr__(self, "plugins", tuple(self.plugins))
         object.__setattr__(self, "model_options", spec.coerce_options(self.model_options))
         self.model_config()  # the model's own checks (unknown options, n_embd % n_head, ...)

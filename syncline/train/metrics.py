@@ -58,9 +58,17 @@ def timed_record(
 class MetricsLog:
     """Appends one JSON object per recorded step; flushes so a crash keeps what was written."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, resume_at: int | None = None) -> None:
+        """``resume_at``: a resumed run's first step; the records of earlier steps are read
+        back (the summary covers the whole run), later ones (logged after the checkpoint,
+        before the failure) dropped, as the resumed run logs them again."""
         self.path = path
         self.records: list[StepRecord] = []
+        if resume_at and path.is_file():
+            lines = path.read_text().splitlines()
+            self.records = [StepRecord(**json.loads(line)) for line in lines if line.strip()]
+            self.records = [r for r in self.records if r.step < resume_at]
+            path.write_text("".join(json.dumps(asdict(r)) + "\n" for r in self.records))
 
     def append(self, record: StepRecord) -> None:
         self.records.append(record)

@@ -96,8 +96,14 @@ def build_pipeline(
     )
 
 
-def train_pipeline(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> dict[str, Any]:
-    """Train this rank's stages; returns the run summary (complete on rank 0)."""
+def train_pipeline(
+    cfg: TrainConfig, rank: int, world: int, device: torch.device, *, attempt: int = 0
+) -> dict[str, Any]:
+    """Train this rank's stages; returns the run summary (complete on rank 0).
+
+    ``attempt``: torchrun's restart count. Pipelines keep no periodic checkpoints yet, so a
+    restarted attempt trains again from the start (the same result: every step is a pure
+    function of the seed and the step)."""
     replicas = cfg.pipeline_replicas
     model = build_model_for(cfg).to(device)
     if not isinstance(model, nn.Sequential):
@@ -115,7 +121,7 @@ def train_pipeline(cfg: TrainConfig, rank: int, world: int, device: torch.device
     progress = Progress(cfg.steps) if rank == 0 else None
     t_start = trace_from = time.perf_counter()
     for step in range(cfg.steps):
-        fail_if_injected(cfg, rank, step)
+        fail_if_injected(cfg, rank, step, attempt)
         t0 = time.perf_counter()
         if step == max(0, cfg.steps - TRACE_STEPS):
             trace_from = t0

@@ -32,6 +32,8 @@ from syncline.train.common import (
 from syncline.train.config import TrainConfig
 from syncline.train.metrics import MetricsLog, plot_loss, summarize, timed_record
 from syncline.train.progress import Progress, human_bytes
+from syncline.train.snapshots import SnapshotStore
+from syncline.train.state import capture_dp, restore_dp
 
 
 def train(
@@ -41,11 +43,13 @@ def train(
     device: torch.device,
     *,
     allreduce: str | Collective = "flat",
+    attempt: int = 0,
 ) -> dict[str, Any]:
     """Train on this rank; returns the run summary (complete on rank 0).
 
     ``allreduce`` is built by the launcher-facing caller (a hierarchical collective needs
-    torchrun's node layout and its own process groups).
+    torchrun's node layout and its own process groups). ``attempt``: torchrun's restart
+    count; a restarted attempt, like ``--resume``, continues from the newest checkpoint.
     """
     model = build_model_for(cfg).to(device)
     loss_fn = model_loss(cfg.model)
@@ -62,11 +66,21 @@ def train(
     )
     opt = make_optimizer(cfg, [p for p in dp.parameters() if p.requires_grad], compressor)
     run_dir = Path(cfg.run_dir)
-    log = MetricsLog(run_dir / "metrics.jsonl") if rank == 0 else None
+    store = SnapshotStore(
+        run_dir / "checkpoints", keep=cfg.keep_checkpoints, timeout_s=cfg.timeout_s, device=device
+    )
+    start = 0
+    if cfg.resume is not None or attempt > 0:
+        snap = store.latest()
+        if snap is not None:
+            start = restore_dp(store, snap, model, opt, dp, rank, world)
+            if rank == 0:
+                print(f"resumed from {snap.path} (step {start})", flush=True)
+    log = MetricsLog(run_dir / "metrics.jsonl", resume_at=start) if rank == 0 else None
     progress = Progress(cfg.steps) if rank == 0 else None
     t_start = time.perf_counter()
-    for step in range(cfg.steps):
-        fail_if_injected(cfg, rank, step)
+    for step in range(start, cfg.steps):
+        fail_if_injected(cfg, rank, step, attempt)
         t0 = time.perf_counter()
         lr = lr_at(cfg, step)
         set_lr([opt], lr)
@@ -99,6 +113,9 @@ def train(
             progress.update(
                 step, value, record.samples_per_s, record.tokens_per_s, stats.wire_bytes
             )
+        done = step + 1
+        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
+            store.save(done, capture_dp(done, model, opt, dp, rank, world))
     if log is None or progress is None:
         return {}
     progress.close()

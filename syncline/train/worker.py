@@ -51,10 +51,12 @@ def main(argv: list[str] | None = None) -> int:
                 timeout_s=cfg.timeout_s,
                 ranks_per_node=Topology.from_env_values(world, per_node).ranks_per_node,
             )
+        # torchrun counts the restarts of the whole worker group (--max-restarts)
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         if cfg.pipelined:
-            train_pipeline(cfg, rank, world, device)
+            train_pipeline(cfg, rank, world, device, attempt=attempt)
         else:
-            train(cfg, rank, world, device, allreduce=allreduce)
+            train(cfg, rank, world, device, allreduce=allreduce, attempt=attempt)
         # Leave together: a rank that tears its process groups down while a peer is still
         # taking its last message (rank 0 gathers the stage weights and traces one rank at a
         # time) was seen to abort inside gloo at exit ("terminate called without an active

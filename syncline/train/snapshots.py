@@ -1,0 +1,200 @@
+"""Periodic sharded checkpoints of a run: written by every rank at once, published atomically,
+verified and read safely.
+
+Layout, under ``RUN_DIR/checkpoints``::
+
+    step-00000100/          a complete checkpoint: DCP's files, and MANIFEST.json (the size
+                            and SHA-256 of every file, written last)
+    .partial-step-00000200/ one being written (never read; removed by the next save)
+
+A checkpoint becomes visible in one ``rename`` of its directory, after every rank's files and
+the manifest are on disk (fsync'ed), so a reader never sees half of one, whatever step a
+failure hits. The newest ``keep`` are kept. Loading verifies every file against the manifest
+(each rank a share of the files) before any byte is used, and reads the DCP metadata and any
+plain data without unpickling code (:mod:`syncline.comm.sharded`).
+
+The run directory must be one file system that every rank sees (as for DCP itself).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from syncline import comm
+from syncline.comm.sharded import load_sharded, save_sharded
+from syncline.errors import CheckpointError, ConfigError
+
+__all__ = ["Snapshot", "SnapshotStore"]
+
+_NAME = re.compile(r"^step-(\d{8})$")
+MANIFEST = "MANIFEST.json"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One complete checkpoint: the step it was taken after, and its directory."""
+
+    step: int
+    path: Path
+
+
+class SnapshotStore:
+    """The checkpoints of one run (see the module docstring).
+
+    Args:
+        root: the directory holding them (``RUN_DIR/checkpoints``).
+        keep: how many of the newest to keep (at least 1).
+        group: the process group that saves and loads together.
+        timeout_s: the limit of every wait on other ranks.
+        device: where the small exchanges between ranks (digests, verdicts) travel: the
+            device of the run's tensors (NCCL exchanges GPU tensors).
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        keep: int,
+        group: comm.Group = None,
+        timeout_s: float = 300.0,
+        device: torch.device | None = None,
+    ) -> None:
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ConfigError(f"keep_checkpoints={keep!r} must be an integer >= 1")
+        self.root = Path(root)
+        self.keep = keep
+        self.group = group
+        self.timeout_s = timeout_s
+        self.device = device
+
+    # -- reading ---------------------------------------------------------------------------
+    def complete(self) -> list[Snapshot]:
+        """Every published checkpoint, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for d in self.root.iterdir():
+            m = _NAME.match(d.name)
+            if m and d.is_dir() and (d / MANIFEST).is_file():
+                found.append(Snapshot(int(m.group(1)), d))
+        return sorted(found, key=lambda s: s.step)
+
+    def latest(self) -> Snapshot | None:
+        """The newest published checkpoint, or ``None``."""
+        done = self.complete()
+        return done[-1] if done else None
+
+    def load(self, snap: Snapshot, keys: list[str]) -> dict[str, torch.Tensor]:
+        """Verify ``snap`` (every rank a share of its files) and read ``keys`` on this rank.
+
+        Raises:
+            CheckpointError: on every rank, naming the first damaged or missing file.
+        """
+        problems = self._verify_share(snap.path)
+        everyone = comm.allgather_objects(
+            problems,
+            group=self.group,
+            what=f"verification of {snap.path}",
+            timeout_s=self.timeout_s,
+            device=self.device,
+        )
+        found = [p for rank_problems in everyone for p in rank_problems]
+        if found:
+            raise CheckpointError(f"checkpoint {snap.path} is damaged: {found[0]}")
+        return load_sharded(snap.path, keys, group=self.group)
+
+    def _verify_share(self, path: Path) -> list[str]:
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+            files = manifest["files"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return [f"{MANIFEST} unreadable ({exc})"]
+        listed = sorted(files)
+        on_disk = sorted(p.name for p in path.iterdir() if p.name != MANIFEST)
+        if listed != on_disk:
+            return [f"files {sorted(set(listed) ^ set(on_disk))} differ from {MANIFEST}"]
+        rank, world = comm.group_rank(self.group), comm.group_size(self.group)
+        problems = []
+        for name in listed[rank::world]:
+            size, digest = _size_and_digest(path / name)
+            want = files[name]
+            if [size, digest] != [want.get("size"), want.get("sha256")]:
+                problems.append(f"{name} ({size} bytes) does not match its recorded digest")
+        return problems
+
+    # -- writing ---------------------------------------------------------------------------
+    def save(self, step: int, tensors: dict[str, torch.Tensor]) -> Path:
+        """Write ``tensors`` (each rank its own; shared keys once) as the checkpoint of
+        ``step``, publish it, and drop the oldest beyond ``keep``. Every rank calls this."""
+        final = self.root / f"step-{step:08d}"
+        partial = self.root / f".partial-step-{step:08d}"
+        rank, world = comm.group_rank(self.group), comm.group_size(self.group)
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir()
+        self._barrier(f"checkpoint {step}: directory ready")
+        save_sharded(tensors, partial, group=self.group)
+        names = sorted(p.name for p in partial.iterdir())
+        mine = {n: _size_and_digest(partial / n) for n in names[rank::world]}
+        everyone = comm.allgather_objects(
+            mine,
+            group=self.group,
+            what=f"checkpoint {step} digests",
+            timeout_s=self.timeout_s,
+            device=self.device,
+        )
+        if rank == 0:
+            files = {n: {"size": s, "sha256": d} for part in everyone for n, (s, d) in part.items()}
+            _write_synced(partial / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
+            _fsync_dir(partial)
+            if final.exists():  # the same step again (a restarted run): the new copy wins
+                shutil.rmtree(final)
+            os.replace(partial, final)
+            _fsync_dir(self.root)
+            self._prune()
+        self._barrier(f"checkpoint {step}: published")
+        return final
+
+    def _prune(self) -> None:
+        for snap in self.complete()[: -self.keep]:
+            shutil.rmtree(snap.path, ignore_errors=True)
+        for d in self.root.iterdir():
+            if d.name.startswith(".partial-step-"):
+                shutil.rmtree(d, ignore_errors=True)
+
+    def _barrier(self, what: str) -> None:
+        comm.barrier(group=self.group, timeout_s=self.timeout_s, what=what)
+
+
+def _size_and_digest(path: Path) -> tuple[int, str]:
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
