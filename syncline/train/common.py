@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 from typing import Any
 
@@ -63,10 +64,38 @@ def set_lr(optimizers: list[torch.optim.Optimizer], lr: float) -> None:
             group["lr"] = lr
 
 
-def fail_if_injected(cfg: TrainConfig, rank: int, step: int, attempt: int = 0) -> None:
-    """Exit this rank with code 17 at the step ``--inject-failure`` names, in the first
-    attempt only (a testing aid: the job must stop cleanly and name the rank, or, with
-    ``--max-restarts``, restart and complete)."""
-    if attempt == 0 and cfg.failure_point() == (rank, step):
-        print(f"rank {rank}: injected failure at step {step}", file=sys.stderr, flush=True)
+def fail_if_injected(
+    cfg: TrainConfig, rank: int, step: int, attempt: int = 0, phase: str = "start"
+) -> None:
+    """Fail this rank where ``--inject-failure`` says, in the first attempt only (a testing
+    aid: the job must stop cleanly and name the rank, or, with ``--max-restarts``, restart
+    and complete): ``start`` exits with code 17, the other phases die by SIGKILL, as a
+    machine that loses power, with no chance to say goodbye."""
+    if attempt != 0 or cfg.failure_point() != (rank, step, phase):
+        return
+    print(f"rank {rank}: injected failure at step {step} ({phase})", file=sys.stderr, flush=True)
+    if phase == "start":
         os._exit(17)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def arm_failure(
+    cfg: TrainConfig, rank: int, step: int, attempt: int, model: nn.Module
+) -> list[Any]:
+    """Hooks that make ``fail_if_injected`` strike inside this step's forward or backward
+    (``forward``, ``allreduce`` phases); remove them after the step."""
+    point = cfg.failure_point()
+    if attempt != 0 or point is None or point[:2] != (rank, step):
+        return []
+    if point[2] == "forward":
+        return [
+            model.register_forward_pre_hook(
+                lambda *_: fail_if_injected(cfg, rank, step, attempt, "forward")
+            )
+        ]
+    if point[2] == "allreduce":  # the first parameter's gradient comes last in backward
+        first = next(p for p in model.parameters() if p.requires_grad)
+        return [
+            first.register_hook(lambda g: fail_if_injected(cfg, rank, step, attempt, "allreduce"))
+        ]
+    return []

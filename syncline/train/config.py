@@ -22,9 +22,14 @@ from syncline.partition import check_balance
 from syncline.pipeline.config import DEFAULT_SCHEDULE
 from syncline.schedule.registry import SCHEDULES, ScheduleSpec, check_microbatches
 
-__all__ = ["BACKENDS", "OPTIMIZERS", "TrainConfig"]
+__all__ = ["BACKENDS", "FAILURE_PHASES", "OPTIMIZERS", "TrainConfig"]
 
 OPTIMIZERS = ("adamw", "sgd")
+#: where ``--inject-failure RANK:STEP:PHASE`` strikes: ``start`` (exit code 17 before the
+#: step), or SIGKILL ``forward`` (inside the model's forward), ``allreduce`` (in backward,
+#: while the peers wait in the gradient allreduce), ``checkpoint`` (after this rank wrote its
+#: part of the step's checkpoint, before it is published)
+FAILURE_PHASES = ("start", "forward", "allreduce", "checkpoint")
 BACKENDS = ("auto", "gloo", "nccl")
 
 _MODEL, _OPT, _DP = "model and data", "optimisation", "data parallelism"
@@ -142,8 +147,10 @@ class TrainConfig:
     log_every: int = option(10, group=_OUT)
     """Print and record metrics every this many steps."""
     inject_failure: str | None = option(None, group=_OUT, metavar="RANK:STEP")
-    """Testing aid: make RANK exit at STEP, to see the job stop cleanly and name it. Fires
-    only in the first attempt, so a job restarted by ``max_restarts`` completes."""
+    """Testing aid: make RANK fail at STEP, to see the job stop cleanly and name it: exit
+    before the step, or with ``:PHASE`` die by SIGKILL inside it (``forward``,
+    ``allreduce``, ``checkpoint``: after writing its part of the checkpoint the step ends
+    with). Fires only in the first attempt, so a job restarted by ``max_restarts`` completes."""
     checkpoint_every: int | None = option(
         None, group=_CKPT, metavar="N", default_text="100 with data parallelism, else 0"
     )
@@ -343,23 +350,44 @@ class TrainConfig:
         """The data set trained on: ``data``, or the model's default."""
         return self.data or self.model_spec.datasets[0]
 
-    def failure_point(self) -> tuple[int, int] | None:
-        """``inject_failure`` parsed as (rank, step), or None."""
+    def failure_point(self) -> tuple[int, int, str] | None:
+        """``inject_failure`` parsed as (rank, step, phase), or None."""
         if self.inject_failure is None:
             return None
         parts = self.inject_failure.split(":")
         try:
-            rank, step = (int(p) for p in parts)
+            if len(parts) not in (2, 3):
+                raise ValueError
+            rank, step = int(parts[0]), int(parts[1])
         except ValueError:
             raise ConfigError(
-                f"inject_failure={self.inject_failure!r} must look like RANK:STEP, e.g. 1:5"
+                f"inject_failure={self.inject_failure!r} must look like RANK:STEP[:PHASE], "
+                f"e.g. 1:5 or 1:5:allreduce"
             ) from None
-        if not 0 <= rank < self.world_size or step < 0:
+        phase = parts[2] if len(parts) == 3 else "start"
+        if phase not in FAILURE_PHASES:
+            raise ConfigError(
+                f"inject_failure={self.inject_failure!r}: phase {phase!r} is unknown; valid: "
+                f"{', '.join(FAILURE_PHASES)}"
+            )
+        if not 0 <= rank < self.world_size or not 0 <= step < self.steps:
             raise ConfigError(
                 f"inject_failure={self.inject_failure!r}: rank must be in [0, {self.world_size})"
-                " and step >= 0"
+                f" and step in [0, steps={self.steps})"
             )
-        return rank, step
+        if phase != "start" and self.pipeline_stages > 1:
+            raise ConfigError(
+                f"inject_failure={self.inject_failure!r}: pipelines support only RANK:STEP "
+                "(failure before the step) for now"
+            )
+        every, done = self.checkpoint_every or 0, step + 1
+        if phase == "checkpoint" and not (every and done % every == 0 and done < self.steps):
+            raise ConfigError(
+                f"inject_failure={self.inject_failure!r}: no checkpoint is written at step "
+                f"{step} (checkpoint_every={every}, steps={self.steps}); valid: a STEP with "
+                "STEP+1 a multiple of checkpoint_every, before the last step"
+            )
+        return rank, step, phase
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as JSON values (tuples as lists), as saved in ``config.json``."""

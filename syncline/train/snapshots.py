@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,9 +132,17 @@ class SnapshotStore:
         return problems
 
     # -- writing ---------------------------------------------------------------------------
-    def save(self, step: int, tensors: dict[str, torch.Tensor]) -> Path:
+    def save(
+        self,
+        step: int,
+        tensors: dict[str, torch.Tensor],
+        on_written: Callable[[], None] | None = None,
+    ) -> Path:
         """Write ``tensors`` (each rank its own; shared keys once) as the checkpoint of
-        ``step``, publish it, and drop the oldest beyond ``keep``. Every rank calls this."""
+        ``step``, publish it, and drop the oldest beyond ``keep``. Every rank calls this.
+
+        ``on_written`` runs once this rank's files are on disk, before publication (where
+        ``--inject-failure R:S:checkpoint`` strikes)."""
         final = self.root / f"step-{step:08d}"
         partial = self.root / f".partial-step-{step:08d}"
         rank, world = comm.group_rank(self.group), comm.group_size(self.group)
@@ -143,6 +152,8 @@ class SnapshotStore:
             partial.mkdir()
         self._barrier(f"checkpoint {step}: directory ready")
         save_sharded(tensors, partial, group=self.group)
+        if on_written is not None:
+            on_written()
         names = sorted(p.name for p in partial.iterdir())
         mine = {n: _size_and_digest(partial / n) for n in names[rank::world]}
         everyone = comm.allgather_objects(

@@ -7,6 +7,7 @@ records metrics, plots and writes the final checkpoint.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ from syncline.dp.engine import DataParallel
 from syncline.models import model_loss
 from syncline.train.checkpoint import save_checkpoint
 from syncline.train.common import (
+    arm_failure,
     build_dataset,
     build_model_for,
     fail_if_injected,
@@ -81,6 +83,7 @@ def train(
     t_start = time.perf_counter()
     for step in range(start, cfg.steps):
         fail_if_injected(cfg, rank, step, attempt)
+        armed = arm_failure(cfg, rank, step, attempt, model)
         t0 = time.perf_counter()
         lr = lr_at(cfg, step)
         set_lr([opt], lr)
@@ -90,6 +93,8 @@ def train(
         loss = loss_fn(dp(x), y)
         loss.backward()
         opt.step()
+        for handle in armed:
+            handle.remove()
         if (
             log is not None
             and progress is not None
@@ -115,7 +120,21 @@ def train(
             )
         done = step + 1
         if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
-            store.save(done, capture_dp(done, model, opt, dp, rank, world))
+            t_save = time.perf_counter()
+            path = store.save(
+                done,
+                capture_dp(done, model, opt, dp, rank, world),
+                on_written=functools.partial(
+                    fail_if_injected, cfg, rank, step, attempt, "checkpoint"
+                ),
+            )
+            if rank == 0:
+                size = sum(f.stat().st_size for f in path.iterdir())
+                print(
+                    f"checkpoint of step {done}: {human_bytes(size)} in "
+                    f"{time.perf_counter() - t_save:.2f}s -> {path}",
+                    flush=True,
+                )
     if log is None or progress is None:
         return {}
     progress.close()
