@@ -246,6 +246,37 @@ class Pipeline:
                 out[f"{lo + int(index)}.{rest}"] = value.detach().clone()
         return out
 
+    def load_local_state_dict(self, state: dict[str, torch.Tensor], next_batch: int) -> None:
+        """Resume from a checkpoint: this rank's layers take their weights and buffers from
+        ``state`` (named as in the full module, as :meth:`local_state_dict` gives them), and
+        the batches taken from now on are numbered from ``next_batch``.
+
+        Raises:
+            ConfigError: work is in flight, the schedule keeps weight versions (2BW: not
+                restorable yet), or ``state`` lacks one of this rank's tensors (named).
+        """
+        self._require_setup()
+        assert self._balance is not None
+        if self._in_flight is not None or self._queued is not None:
+            raise ConfigError("load_local_state_dict: a batch is in flight; flush() first")
+        if SCHEDULES.get(self._plan.name).versioned:
+            raise ConfigError(
+                f"load_local_state_dict: schedule {self._plan.name!r} keeps weight versions, "
+                "which cannot be restored yet"
+            )
+        bounds = stage_bounds(self._balance)
+        for s in self.stages:
+            lo, _ = bounds[s]
+            mine = {}
+            for key in self._stages[s].module.state_dict():
+                index, rest = key.split(".", 1)
+                name = f"{lo + int(index)}.{rest}"
+                if name not in state:
+                    raise ConfigError(f"load_local_state_dict: no value for {name!r}")
+                mine[key] = state[name]
+            self._stages[s].module.load_state_dict(mine)
+        self._next_batch = next_batch
+
     @property
     def compression(self) -> Compressor:
         """The REDUCE's compressor (its ``state_dict`` belongs in a checkpoint)."""

@@ -152,11 +152,11 @@ class TrainConfig:
     ``allreduce``, ``checkpoint``: after writing its part of the checkpoint the step ends
     with). Fires only in the first attempt, so a job restarted by ``max_restarts`` completes."""
     checkpoint_every: int | None = option(
-        None, group=_CKPT, metavar="N", default_text="100 with data parallelism, else 0"
+        None, group=_CKPT, metavar="N", default_text="100; 0 with 2bw"
     )
     """Write a complete sharded checkpoint (every rank its part, in parallel, published
     atomically) under RUN_DIR/checkpoints every N steps; 0: only the final checkpoint.pt.
-    Pipelines do not write periodic checkpoints yet (a value > 0 is refused there)."""
+    Not yet with a schedule that keeps two weight versions (2BW: a value > 0 is refused)."""
     keep_checkpoints: int = option(2, group=_CKPT, metavar="K")
     """How many of the newest periodic checkpoints to keep."""
     resume: str | None = option(None, group=_CKPT, metavar="RUN_DIR")
@@ -180,18 +180,12 @@ class TrainConfig:
             check_positive_int(name, getattr(self, name))
         for name in ("log_every", "pipeline_stages", "keep_checkpoints"):
             check_positive_int(name, getattr(self, name))
-        if self.checkpoint_every is None:
-            object.__setattr__(self, "checkpoint_every", 0 if self.pipeline_stages > 1 else 100)
         for name in ("checkpoint_every", "max_restarts"):
             value = getattr(self, name)
+            if value is None and name == "checkpoint_every":
+                continue  # resolved once the schedule is known
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name}={value!r} must be an integer >= 0")
-        if self.pipeline_stages > 1 and (self.checkpoint_every or self.resume):
-            raise ConfigError(
-                f"checkpoint_every={self.checkpoint_every} / resume={self.resume!r}: periodic "
-                "checkpoints and resume are not implemented for pipelines yet; valid: "
-                "checkpoint_every=0 and no resume with pipeline_stages > 1"
-            )
         object.__setattr__(self, "plugins", tuple(self.plugins))
         object.__setattr__(self, "model_options", spec.coerce_options(self.model_options))
         self.model_config()  # the model's own checks (unknown options, n_embd % n_head, ...)
@@ -207,7 +201,6 @@ class TrainConfig:
                 f"weight_decay={self.weight_decay!r} and warmup_steps={self.warmup_steps!r} "
                 "must be >= 0"
             )
-        self._check_launch()
         if self.pipeline_stages > 1:
             self._check_pipeline()
         elif self.microbatches is not None or self.schedule or self.recompute or self.balance:
@@ -221,11 +214,27 @@ class TrainConfig:
                 f"{self.world_size} (nnodes={self.nnodes} x nproc_per_node="
                 f"{self.nproc_per_node}); use a multiple of {self.world_size}"
             )
+        self._check_checkpoints()
+        self._check_launch()
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(
                 f"optimizer={self.optimizer!r} is not known; valid: {', '.join(OPTIMIZERS)}"
             )
         parse(self.compression)  # the grammar; value ranges are the compressor's to check
+
+    def _check_checkpoints(self) -> None:
+        """Resolve ``checkpoint_every``; refuse checkpoints a schedule cannot restore yet."""
+        versioned = self.pipelined and SCHEDULES.get(self.schedule or DEFAULT_SCHEDULE).versioned
+        if self.checkpoint_every is None:
+            object.__setattr__(self, "checkpoint_every", 0 if versioned else 100)
+        if versioned and (self.checkpoint_every or self.resume):
+            plain = [n for n in SCHEDULES.names() if not SCHEDULES.get(n).versioned]
+            raise ConfigError(
+                f"checkpoint_every={self.checkpoint_every} / resume={self.resume!r}: schedule "
+                f"{self.schedule!r} keeps two weight versions, which periodic checkpoints do "
+                "not save yet; valid: checkpoint_every=0 and no resume, or a schedule without "
+                f"weight versions ({', '.join(plain)})"
+            )
 
     def _check_launch(self) -> None:
         if not 0 <= self.node_rank < self.nnodes:
@@ -375,10 +384,10 @@ class TrainConfig:
                 f"inject_failure={self.inject_failure!r}: rank must be in [0, {self.world_size})"
                 f" and step in [0, steps={self.steps})"
             )
-        if phase != "start" and self.pipeline_stages > 1:
+        if phase in ("forward", "allreduce") and self.pipeline_stages > 1:
             raise ConfigError(
-                f"inject_failure={self.inject_failure!r}: pipelines support only RANK:STEP "
-                "(failure before the step) for now"
+                f"inject_failure={self.inject_failure!r}: pipelines support the phases start "
+                "and checkpoint only, for now"
             )
         every, done = self.checkpoint_every or 0, step + 1
         if phase == "checkpoint" and not (every and done % every == 0 and done < self.steps):

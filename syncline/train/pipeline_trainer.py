@@ -11,6 +11,7 @@ the whole (unsplit) model, ``trace.json``, ``schedule.png``, the loss curve and 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import time
@@ -24,7 +25,7 @@ from torch import nn
 from syncline import comm
 from syncline.data import ShardedBatches
 from syncline.dp.compressors import build_compressor
-from syncline.errors import ConfigError
+from syncline.errors import CheckpointError, ConfigError
 from syncline.models import model_loss
 from syncline.pipeline import Pipeline
 from syncline.schedule import Event, Timeline, bubble_fraction, to_chrome_trace
@@ -41,6 +42,8 @@ from syncline.train.config import TrainConfig
 from syncline.train.metrics import MetricsLog, plot_loss, summarize, timed_record
 from syncline.train.plots import plot_schedule
 from syncline.train.progress import Progress, human_bytes
+from syncline.train.snapshots import SnapshotStore
+from syncline.train.state import capture_pipeline, read_meta, restore_pipeline
 
 #: Steps (the last ones) whose actions go into trace.json and schedule.png: enough to see
 #: the steady state, bounded so that a long run does not write a huge file.
@@ -65,10 +68,12 @@ def build_pipeline(
     device: torch.device,
     group: comm.Group,
     data_parallel_group: comm.Group = None,
+    balance: list[int] | None = None,
 ) -> Pipeline:
     """The configured :class:`Pipeline` over ``model`` on ``group`` (this rank keeps its
     stages only), its stages averaged over ``data_parallel_group`` through the configured
-    compressor when there are replicas."""
+    compressor when there are replicas. ``balance`` overrides the configured one (a resumed
+    run cuts the model as the checkpointed run did)."""
     first_lr = lr_at(cfg, 0)
     compressor = build_compressor(cfg.compression) if data_parallel_group is not None else None
 
@@ -86,7 +91,7 @@ def build_pipeline(
         loss_fn=model_loss(cfg.model),
         optimizer=optimizer,
         recompute=cfg.recompute,
-        balance=None if cfg.balance is None else list(cfg.balance),
+        balance=balance or (None if cfg.balance is None else list(cfg.balance)),
         process_group=group,
         data_parallel_group=data_parallel_group,
         compression=compressor,
@@ -101,9 +106,8 @@ def train_pipeline(
 ) -> dict[str, Any]:
     """Train this rank's stages; returns the run summary (complete on rank 0).
 
-    ``attempt``: torchrun's restart count. Pipelines keep no periodic checkpoints yet, so a
-    restarted attempt trains again from the start (the same result: every step is a pure
-    function of the seed and the step)."""
+    ``attempt``: torchrun's restart count; a restarted attempt, like ``--resume``, continues
+    from the newest checkpoint (cut into the same stages)."""
     replicas = cfg.pipeline_replicas
     model = build_model_for(cfg).to(device)
     if not isinstance(model, nn.Sequential):
@@ -114,13 +118,26 @@ def train_pipeline(
     dataset, tokens_per_sample = build_dataset(cfg)
     # global rank = stage * replicas + replica: every stage of replica j reads shard j
     shard = ShardedBatches(dataset, cfg.batch_size, rank % replicas, replicas, cfg.seed)
-    batches = itertools.islice(shard.batches(), cfg.steps)  # 2BW must not start one more
     group, data_parallel = pipeline_groups(cfg, world)
-    pipe = build_pipeline(cfg, model, device, group, data_parallel)
-    log = MetricsLog(Path(cfg.run_dir) / "metrics.jsonl") if rank == 0 else None
+    store = SnapshotStore(
+        Path(cfg.run_dir) / "checkpoints",
+        keep=cfg.keep_checkpoints,
+        timeout_s=cfg.timeout_s,
+        device=device,
+    )
+    snap = store.latest() if cfg.resume is not None or attempt > 0 else None
+    meta = _checked_meta(read_meta(store, snap), cfg, world) if snap is not None else {}
+    pipe = build_pipeline(cfg, model, device, group, data_parallel, balance=meta.get("balance"))
+    start = 0
+    if snap is not None:
+        start = restore_pipeline(store, snap, pipe, rank, meta)
+        if rank == 0:
+            print(f"resumed from {snap.path} (step {start})", flush=True)
+    batches = itertools.islice(shard.batches(start), cfg.steps - start)  # 2BW: no extra
+    log = MetricsLog(Path(cfg.run_dir) / "metrics.jsonl", resume_at=start) if rank == 0 else None
     progress = Progress(cfg.steps) if rank == 0 else None
     t_start = trace_from = time.perf_counter()
-    for step in range(cfg.steps):
+    for step in range(start, cfg.steps):
         fail_if_injected(cfg, rank, step, attempt)
         t0 = time.perf_counter()
         if step == max(0, cfg.steps - TRACE_STEPS):
@@ -129,9 +146,8 @@ def train_pipeline(
         if step:  # the first step builds the optimizers (with this lr) when it profiles
             set_lr(pipe.optimizers, lr)
         loss = pipe.train_step(batches)
-        if log is None or progress is None:
-            continue
-        if step % cfg.log_every == 0 or step == cfg.steps - 1:
+        logged = step % cfg.log_every == 0 or step == cfg.steps - 1
+        if log is not None and progress is not None and logged:
             record = timed_record(
                 step,
                 loss,
@@ -143,6 +159,17 @@ def train_pipeline(
             )
             log.append(record)
             progress.update(step, loss, record.samples_per_s, record.tokens_per_s, None)
+        done = step + 1
+        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
+            pipe.flush()  # nothing in flight (the schedules that checkpoint do not overlap)
+            assert cfg.schedule is not None
+            store.save(
+                done,
+                capture_pipeline(done, pipe, rank, world, cfg.schedule),
+                on_written=functools.partial(
+                    fail_if_injected, cfg, rank, step, attempt, "checkpoint"
+                ),
+            )
     pipe.flush()
     gathered = comm.gather_objects(
         _rank_results(pipe, trace_from, weights=rank % replicas == 0),
@@ -154,6 +181,18 @@ def train_pipeline(
         return {}
     progress.close()
     return _finish(cfg, model, gathered, log, world)
+
+
+def _checked_meta(meta: dict[str, Any], cfg: TrainConfig, world: int) -> dict[str, Any]:
+    """The checkpoint's metadata, if it is one this pipeline run can continue from."""
+    want = {"kind": "pipeline", "world_size": world, "schedule": cfg.schedule}
+    got = {k: meta.get(k) for k in want}
+    if got != want:
+        raise CheckpointError(
+            f"the newest checkpoint was written by a run with {got}; this run is {want} "
+            "(resharding onto another pipeline shape is not supported yet)"
+        )
+    return meta
 
 
 def _rank_results(pipe: Pipeline, trace_from: float, *, weights: bool) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""What a checkpoint of a data-parallel run holds, as the flat tensor map DCP writes.
+"""What a checkpoint of a data-parallel or pipeline run holds, as the flat tensor map DCP
+writes.
 
 Everything a bit-exact continuation needs: the model (weights and buffers), the optimizer
 (state and hyper-parameters), the step (the learning rate and the data position follow from
@@ -22,9 +23,18 @@ from torch import nn
 from syncline.comm.sharded import pack_object, read_index, unpack_object
 from syncline.dp.engine import DataParallel
 from syncline.errors import CheckpointError
+from syncline.pipeline.runtime import Pipeline
 from syncline.train.snapshots import Snapshot, SnapshotStore
 
-__all__ = ["capture_dp", "join_tensors", "restore_dp", "split_tensors"]
+__all__ = [
+    "capture_dp",
+    "capture_pipeline",
+    "join_tensors",
+    "read_meta",
+    "restore_dp",
+    "restore_pipeline",
+    "split_tensors",
+]
 
 _TENSOR = "__syncline_tensor__"
 
@@ -134,3 +144,63 @@ def _numbered(got: dict[str, torch.Tensor], prefix: str) -> list[torch.Tensor]:
     if [i for i, _ in keys] != list(range(len(keys))):
         raise CheckpointError(f"checkpoint entries {prefix}* are not numbered 0..{len(keys) - 1}")
     return [got[k] for _, k in keys]
+
+
+# -- pipelines ---------------------------------------------------------------------------------
+# Each rank writes its stages' layers under the full model's names (a replica of a stage
+# writes the same keys, stored once), each stage's optimizer under the stage's number, and
+# its own RNG and REDUCE-compressor state; the split (``balance``) goes into the metadata, as
+# it was profiled at run time and the continuation must cut the model the same way.
+
+
+def capture_pipeline(
+    step: int, pipe: Pipeline, rank: int, world: int, schedule: str
+) -> dict[str, torch.Tensor]:
+    """The tensor map of a pipeline run after ``step`` steps, with nothing in flight."""
+    out = {f"model/{k}": v.cpu() for k, v in pipe.local_state_dict().items()}
+    for s, opt in zip(pipe.stages, pipe.optimizers, strict=True):
+        skeleton, tensors = split_tensors(opt.state_dict())
+        out.update({f"optim/stage{s}/{i}": t.cpu() for i, t in enumerate(tensors)})
+        out[f"optim/stage{s}/skeleton"] = pack_object(skeleton)
+    compression = pipe.compression.state_dict() if pipe.data_parallel_size > 1 else {}
+    local, local_tensors = split_tensors({"rng": _rng_state(), "compression": compression})
+    out.update({f"rank{rank}/{i}": t.cpu() for i, t in enumerate(local_tensors)})
+    out[f"rank{rank}/skeleton"] = pack_object(local)
+    meta = {"step": step, "world_size": world, "kind": "pipeline", "schedule": schedule}
+    out["run/meta"] = pack_object({**meta, "balance": pipe.balance})
+    return out
+
+
+def read_meta(store: SnapshotStore, snap: Snapshot) -> dict[str, Any]:
+    """The checkpoint's run metadata (step, kind, world size; pipelines: balance, schedule)."""
+    got = store.load(snap, ["run/meta"])
+    meta = unpack_object(got["run/meta"], f"{snap.path} run/meta")
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{snap.path}: run/meta is {type(meta).__name__}, not a dict")
+    return meta
+
+
+def restore_pipeline(
+    store: SnapshotStore, snap: Snapshot, pipe: Pipeline, rank: int, meta: dict[str, Any]
+) -> int:
+    """Load ``snap`` into a pipeline built with the checkpoint's balance; returns the step to
+    continue from."""
+    index = read_index(snap.path)
+    stage_keys = [f"optim/stage{s}/" for s in pipe.stages]
+    keys = [k for k in index if k.startswith(("model/", f"rank{rank}/", *stage_keys))]
+    got = store.load(snap, keys)
+    step = int(meta["step"])
+    model = {k[len("model/") :]: v for k, v in got.items() if k.startswith("model/")}
+    pipe.load_local_state_dict(model, next_batch=step)
+    for s, opt in zip(pipe.stages, pipe.optimizers, strict=True):
+        prefix = f"optim/stage{s}/"
+        skeleton = unpack_object(got[prefix + "skeleton"], f"stage {s} optimizer state")
+        opt.load_state_dict(join_tensors(skeleton, _numbered(got, prefix)))
+    local = join_tensors(
+        unpack_object(got[f"rank{rank}/skeleton"], f"rank {rank} state"),
+        _numbered(got, f"rank{rank}/"),
+    )
+    _set_rng_state(local["rng"])
+    if pipe.data_parallel_size > 1:
+        pipe.compression.load_state_dict(local["compression"])
+    return step

@@ -5,7 +5,9 @@ intact and loads.
 Each cell runs ``syncline train`` (tiny GPT, checkpoints every 2 steps, ``--timeout 20``) with
 ``--inject-failure 1:3:PHASE``: ``start`` exits with code 17 before step 3; the others die by
 SIGKILL inside it (in forward; in backward while the peers wait in the gradient allreduce;
-after writing their part of step 4's checkpoint, before it is published). The bound on the
+after writing their part of step 4's checkpoint, before it is published), with data
+parallelism (flat or hierarchical allreduce) or a 2-stage 1F1B pipeline (whose peer then
+waits in a send/recv). The bound on the
 time to fail is a hang detector, not a speed claim: the collective timeout plus a wide margin
 for starting the processes on a loaded machine.
 """
@@ -35,11 +37,16 @@ CELLS = [
     ("flat", "checkpoint"),
     ("hierarchical", "allreduce"),
     ("hierarchical", "checkpoint"),
+    ("pipeline", "start"),
+    ("pipeline", "checkpoint"),
 ]
 
 
 def _run(run: Path, allreduce: str, *extra: str) -> tuple[int, str, float]:
-    flags = ["--allreduce", allreduce]
+    if allreduce == "pipeline":  # 2 stages, 1F1B, the second on rank 1
+        flags = ["--pipeline-stages", "2", "--schedule", "1f1b", "--n-layer", "2"]
+    else:
+        flags = ["--allreduce", allreduce]
     if allreduce == "hierarchical":  # 2 emulated nodes of 2 ranks
         flags += ["--nproc-per-node", "4", "--ranks-per-node", "2"]
     t0 = time.monotonic()

@@ -193,3 +193,45 @@ def test_hostile_metadata_is_refused_and_never_runs(tmp_path, monkeypatch) -> No
     with pytest.raises(CheckpointError, match="nothing in it was run"):
         read_index(ck)
     assert not (tmp_path / "PWNED_BY_METADATA").exists()
+
+
+# -- pipelines ------------------------------------------------------------------------------
+
+PIPE = ["--pipeline-stages", "2", "--n-layer", "2", "--n-embd", "32", "--seq-len", "16"]
+PIPE += ["--batch-size", "16", "--warmup-steps", "2", "--log-every", "2", "--steps", "8"]
+PIPE += ["--checkpoint-every", "2"]
+
+PIPELINES = {
+    "gpipe": ["--schedule", "gpipe"],
+    "interleaved": ["--schedule", "interleaved", "--microbatches", "4"],
+    "1f1b-2x2-replicas": ["--schedule", "1f1b", "--nproc-per-node", "4", "--microbatches", "2"],
+}
+
+
+@pytest.mark.parametrize("variant", sorted(PIPELINES))
+def test_pipeline_elastic_restart_is_bit_exact(tmp_path, variant) -> None:
+    """A pipeline (GPipe, interleaved 1F1B, 1F1B with 2 replicas per stage) whose rank 1 dies
+    at step 5 restarts, resumes from step 4's checkpoint cut into the same stages (the
+    profiled split is saved with it) and ends with the uninterrupted run's weights and
+    every stage's optimizer state, bit for bit."""
+    flags = [*PIPE, *PIPELINES[variant]]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    res = syncline("train", *flags, "--run-dir", str(ref))
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = syncline(
+        "train", *flags, "--run-dir", str(run), "--inject-failure", "1:5", "--max-restarts", "1"
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from" in res.stdout and "(step 4)" in res.stdout, res.stdout[-3000:]
+    a, b = _final(ref), _final(run)
+    assert a["model"].keys() == b["model"].keys()
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert a["optimizers"] and a["optimizers"][0]["state"]
+    _assert_same_tree(a["optimizers"], b["optimizers"], "optimizers")
+
+
+def test_2bw_refuses_periodic_checkpoints_until_it_can_save_both_versions(tmp_path) -> None:
+    res = syncline("train", *PIPE, "--schedule", "2bw", "--run-dir", str(tmp_path / "r"))
+    assert res.returncode == 2
+    assert "keeps two weight versions" in res.stderr and "gpipe" in res.stderr, res.stderr
