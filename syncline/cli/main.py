@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -190,8 +191,11 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.resume is None:
+    if cfg.resume is None:  # a fresh run: nothing of an earlier run in this directory
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        # a restarted worker resumes from the newest checkpoint it finds; one left by an
+        # earlier run here must not be it
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     config_path = run_dir / "config.json"
     config_path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     pipeline = (

@@ -30,13 +30,14 @@ TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16"]
 TINY += ["--batch-size", "8", "--log-every", "1", "--steps", "8", "--checkpoint-every", "2"]
 TINY += ["--timeout", str(TIMEOUT_S)]
 
+# (flat, start) is tests/dist/test_cli.py's dying rank; (hierarchical, checkpoint) ran once
+# (12.6 s, passed) and is left out to keep the suite near 10 minutes: its checkpoint path is
+# the flat one's
 CELLS = [
-    ("flat", "start"),
     ("flat", "forward"),
     ("flat", "allreduce"),
     ("flat", "checkpoint"),
     ("hierarchical", "allreduce"),
-    ("hierarchical", "checkpoint"),
     ("pipeline", "start"),
     ("pipeline", "checkpoint"),
 ]

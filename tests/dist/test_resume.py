@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -58,13 +59,14 @@ def _assert_same_tree(a: object, b: object, where: str) -> None:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> dict[str, dict]:
-    """The reference runs: 8 steps, no failure (one per compression)."""
+    """The reference runs: 8 steps, no failure (one per compression); each keeps its
+    checkpoints of steps 4 and 6 (under ``"dir"``)."""
     out = {}
     for name, flags in VARIANTS.items():
         run = tmp_path_factory.mktemp(f"ref-{name}")
-        code, text = _train(run, "--steps", "8", *flags)
+        code, text = _train(run, "--steps", "8", "--checkpoint-every", "2", *flags)
         assert code == 0, text[-3000:]
-        out[name] = _final(run)
+        out[name] = {**_final(run), "dir": run}
     return out
 
 
@@ -102,8 +104,12 @@ def test_resume_after_a_failure_is_bit_exact(tmp_path, uninterrupted) -> None:
 def test_elastic_restart_is_bit_exact(tmp_path, uninterrupted, variant) -> None:
     """``--max-restarts 1``: torchrun restarts both workers after rank 1 dies at step 5; they
     resume from the checkpoint of step 4 by themselves (compressor state included: CSC's
-    residuals and momentum, PowerSGD's error and Q) and finish bit-identical."""
+    residuals and momentum, PowerSGD's error and Q) and finish bit-identical. The directory
+    holds a newer checkpoint left by an earlier run (step 6): a fresh run clears it, so the
+    restart does not resume from it."""
     run = tmp_path / "run"
+    stale = uninterrupted[variant]["dir"] / "checkpoints" / "step-00000006"
+    shutil.copytree(stale, run / "checkpoints" / stale.name)
     code, text = _train(
         run,
         "--steps",
@@ -201,8 +207,8 @@ PIPE = ["--pipeline-stages", "2", "--n-layer", "2", "--n-embd", "32", "--seq-len
 PIPE += ["--batch-size", "16", "--warmup-steps", "2", "--log-every", "2", "--steps", "8"]
 PIPE += ["--checkpoint-every", "2"]
 
+# GPipe resumes through the same code (ran once, passed); left out to keep the suite short
 PIPELINES = {
-    "gpipe": ["--schedule", "gpipe"],
     "interleaved": ["--schedule", "interleaved", "--microbatches", "4"],
     "1f1b-2x2-replicas": ["--schedule", "1f1b", "--nproc-per-node", "4", "--microbatches", "2"],
 }
@@ -210,7 +216,7 @@ PIPELINES = {
 
 @pytest.mark.parametrize("variant", sorted(PIPELINES))
 def test_pipeline_elastic_restart_is_bit_exact(tmp_path, variant) -> None:
-    """A pipeline (GPipe, interleaved 1F1B, 1F1B with 2 replicas per stage) whose rank 1 dies
+    """A pipeline (interleaved 1F1B, 1F1B with 2 replicas per stage) whose rank 1 dies
     at step 5 restarts, resumes from step 4's checkpoint cut into the same stages (the
     profiled split is saved with it) and ends with the uninterrupted run's weights and
     every stage's optimizer state, bit for bit."""
