@@ -115,10 +115,21 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     return cfg
 
 
-# what a resumed run may set again: the length of the run, and how it is launched and logged
+# what a resumed run may set again: the length of the run, how it is launched and logged,
+# and its shape (a checkpoint is keyed by the model's parameter names, so it reshards onto
+# another pipeline or none; the continuation is then exact up to float reassociation)
 _MAY_CHANGE_ON_RESUME = frozenset(
     {
         "steps",
+        "pipeline_stages",
+        "nproc_per_node",
+        "nnodes",
+        "schedule",
+        "microbatches",
+        "balance",
+        "recompute",
+        "allreduce",
+        "ranks_per_node",
         "resume",
         "max_restarts",
         "log_every",
@@ -165,6 +176,12 @@ def _resumed_values(given: dict[str, object]) -> dict[str, object]:
             "nothing to resume (checkpoints are written every --checkpoint-every steps)"
         )
     merged = {**stored, "inject_failure": None, **given, "run_dir": str(run), "resume": str(run)}
+    if merged.get("pipeline_stages", 1) == 1:  # resharded onto data parallelism
+        for key in ("schedule", "microbatches", "balance", "recompute"):
+            if key not in given:
+                merged[key] = getattr(_D, key)
+    elif "pipeline_stages" in given and "balance" not in given:
+        merged["balance"] = None  # the old split does not fit the new number of stages
     return merged
 
 

@@ -25,8 +25,9 @@ from torch import nn
 from syncline import comm
 from syncline.data import ShardedBatches
 from syncline.dp.compressors import build_compressor
-from syncline.errors import CheckpointError, ConfigError
+from syncline.errors import ConfigError
 from syncline.models import model_loss
+from syncline.partition import balance as balance_costs
 from syncline.pipeline import Pipeline
 from syncline.schedule import Event, Timeline, bubble_fraction, to_chrome_trace
 from syncline.train.checkpoint import save_checkpoint
@@ -126,13 +127,20 @@ def train_pipeline(
         device=device,
     )
     snap = store.latest() if cfg.resume is not None or attempt > 0 else None
-    meta = _checked_meta(read_meta(store, snap), cfg, world) if snap is not None else {}
-    pipe = build_pipeline(cfg, model, device, group, data_parallel, balance=meta.get("balance"))
+    meta = read_meta(store, snap) if snap is not None else {}
+    exact = _same_shape(meta, cfg, world)
+    balance = None
+    if exact:  # cut as the checkpointed run was (its split was profiled)
+        balance = list(meta["balance"])
+    elif snap is not None and cfg.balance is None:  # resharded: an even split, no profiling
+        balance = balance_costs([1.0] * cfg.model_layers, cfg.virtual_stages)
+    pipe = build_pipeline(cfg, model, device, group, data_parallel, balance=balance)
     start = 0
     if snap is not None:
-        start = restore_pipeline(store, snap, pipe, rank, meta)
+        start = restore_pipeline(store, snap, pipe, rank, exact)
         if rank == 0:
-            print(f"resumed from {snap.path} (step {start})", flush=True)
+            how = "" if exact else ", resharded: fresh RNG and compressor state"
+            print(f"resumed from {snap.path} (step {start}{how})", flush=True)
     batches = itertools.islice(shard.batches(start), cfg.steps - start)  # 2BW: no extra
     log = MetricsLog(Path(cfg.run_dir) / "metrics.jsonl", resume_at=start) if rank == 0 else None
     progress = Progress(cfg.steps) if rank == 0 else None
@@ -183,16 +191,14 @@ def train_pipeline(
     return _finish(cfg, model, gathered, log, world)
 
 
-def _checked_meta(meta: dict[str, Any], cfg: TrainConfig, world: int) -> dict[str, Any]:
-    """The checkpoint's metadata, if it is one this pipeline run can continue from."""
-    want = {"kind": "pipeline", "world_size": world, "schedule": cfg.schedule}
-    got = {k: meta.get(k) for k in want}
-    if got != want:
-        raise CheckpointError(
-            f"the newest checkpoint was written by a run with {got}; this run is {want} "
-            "(resharding onto another pipeline shape is not supported yet)"
-        )
-    return meta
+def _same_shape(meta: dict[str, Any], cfg: TrainConfig, world: int) -> bool:
+    """Whether the checkpoint's run had this run's shape (then the continuation is exact)."""
+    return (
+        meta.get("kind") == "pipeline"
+        and meta.get("world_size") == world
+        and meta.get("schedule") == cfg.schedule
+        and len(meta.get("balance", ())) == cfg.virtual_stages
+    )
 
 
 def _rank_results(pipe: Pipeline, trace_from: float, *, weights: bool) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from torch import nn
 from syncline.comm.sharded import pack_object, read_index, unpack_object
 from syncline.dp.engine import DataParallel
 from syncline.errors import CheckpointError
+from syncline.partition import stage_bounds
 from syncline.pipeline.runtime import Pipeline
 from syncline.train.snapshots import Snapshot, SnapshotStore
 
@@ -80,19 +81,72 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _optimizer_entries(opt: torch.optim.Optimizer, names: list[str]) -> dict[str, torch.Tensor]:
+    """``opt``'s state keyed by parameter name (``optim/NAME/KEY``) and its hyper-parameters,
+    so that any split of the model (any pipeline shape, or none) finds its parameters'."""
+    sd = opt.state_dict()
+    if len(sd["param_groups"]) != 1:
+        raise CheckpointError(f"an optimizer with {len(sd['param_groups'])} parameter groups")
+    out = {}
+    for i, per in sd["state"].items():
+        for key, value in per.items():
+            if not isinstance(value, torch.Tensor):
+                raise CheckpointError(f"optimizer state {names[i]}/{key} is not a tensor")
+            out[f"optim/{names[i]}/{key}"] = value.detach().cpu()
+    hyper = {k: v for k, v in sd["param_groups"][0].items() if k != "params"}
+    out["optim/hparams"] = pack_object(hyper)
+    return out
+
+
+def _optimizer_keys(index: dict[str, Any], names: list[str]) -> list[str]:
+    prefixes = tuple(f"optim/{n}/" for n in names)
+    return ["optim/hparams", *(k for k in index if k.startswith(prefixes))]
+
+
+def _load_optimizer(
+    opt: torch.optim.Optimizer, names: list[str], got: dict[str, torch.Tensor]
+) -> None:
+    hyper = unpack_object(got["optim/hparams"], "optimizer hyper-parameters")
+    state = {}
+    for i, name in enumerate(names):
+        prefix = f"optim/{name}/"
+        per = {k[len(prefix) :]: v for k, v in got.items() if k.startswith(prefix)}
+        if per:
+            state[i] = per
+    opt.load_state_dict(
+        {"state": state, "param_groups": [{**hyper, "params": list(range(len(names)))}]}
+    )
+
+
+def _names_in(opt: torch.optim.Optimizer, named: dict[int, str]) -> list[str]:
+    """The names of ``opt``'s parameters, in its order (``named``: id -> name)."""
+    return [named[id(p)] for group in opt.param_groups for p in group["params"]]
+
+
+def _local_entries(rank: int, compression: dict[str, Any]) -> dict[str, torch.Tensor]:
+    local, tensors = split_tensors({"rng": _rng_state(), "compression": compression})
+    out = {f"rank{rank}/{i}": t.cpu() for i, t in enumerate(tensors)}
+    out[f"rank{rank}/skeleton"] = pack_object(local)
+    return out
+
+
+def _local_state(got: dict[str, torch.Tensor], rank: int) -> dict[str, Any]:
+    local: dict[str, Any] = join_tensors(
+        unpack_object(got[f"rank{rank}/skeleton"], f"rank {rank} state"),
+        _numbered(got, f"rank{rank}/"),
+    )
+    _set_rng_state(local["rng"])
+    return local
+
+
 def capture_dp(
     step: int, model: nn.Module, opt: torch.optim.Optimizer, dp: DataParallel, rank: int, world: int
 ) -> dict[str, torch.Tensor]:
     """The tensor map of a data-parallel run after ``step`` steps (see the module docstring)."""
     out = {f"model/{k}": v.detach().cpu() for k, v in model.state_dict().items()}
-    skeleton, tensors = split_tensors(opt.state_dict())
-    out.update({f"optim/{i}": t.cpu() for i, t in enumerate(tensors)})
-    out["optim/skeleton"] = pack_object(skeleton)
-    local, local_tensors = split_tensors(
-        {"rng": _rng_state(), "compression": dp.compression_state_dict()}
-    )
-    out.update({f"rank{rank}/{i}": t.cpu() for i, t in enumerate(local_tensors)})
-    out[f"rank{rank}/skeleton"] = pack_object(local)
+    named = {id(p): n for n, p in model.named_parameters()}
+    out.update(_optimizer_entries(opt, _names_in(opt, named)))
+    out.update(_local_entries(rank, dp.compression_state_dict()))
     out["run/meta"] = pack_object({"step": step, "world_size": world, "kind": "data-parallel"})
     return out
 
@@ -105,37 +159,29 @@ def restore_dp(
     dp: DataParallel,
     rank: int,
     world: int,
-) -> int:
-    """Load ``snap`` into the run's objects; returns the step to continue from.
+) -> tuple[int, bool]:
+    """Load ``snap`` into the run's objects; returns the step to continue from, and whether
+    the continuation is exact (the checkpoint's run had this shape: then each rank's RNG and
+    compressor state are restored too; otherwise, resharded, they start afresh).
 
     Raises:
-        CheckpointError: a damaged checkpoint, one of another kind or world size, or one
-            whose model does not match (naming the first difference).
+        CheckpointError: a damaged checkpoint, or one that lacks a tensor of this model.
     """
+    meta = read_meta(store, snap)
+    exact = meta.get("kind") == "data-parallel" and meta.get("world_size") == world
     index = read_index(snap.path)
+    names = _names_in(opt, {id(p): n for n, p in model.named_parameters()})
     model_keys = [f"model/{k}" for k in model.state_dict()]
-    keys = model_keys + [k for k in index if k.startswith(("optim/", f"rank{rank}/", "run/"))]
+    keys = model_keys + _optimizer_keys(index, names)
+    if exact:
+        keys += [k for k in index if k.startswith(f"rank{rank}/")]
     got = store.load(snap, keys)
-    meta = unpack_object(got["run/meta"], f"{snap.path} run/meta")
-    if meta.get("kind") != "data-parallel" or meta.get("world_size") != world:
-        raise CheckpointError(
-            f"{snap.path} was written by a {meta.get('kind')} run of {meta.get('world_size')} "
-            f"ranks; this run is data-parallel on {world} (resharding a data-parallel "
-            "checkpoint is not supported yet)"
-        )
     device = next(model.parameters()).device
     model.load_state_dict({k[len("model/") :]: got[k].to(device) for k in model_keys})
-    opt_tensors = _numbered(got, "optim/")
-    opt.load_state_dict(
-        join_tensors(unpack_object(got["optim/skeleton"], "optimizer state"), opt_tensors)
-    )
-    local = join_tensors(
-        unpack_object(got[f"rank{rank}/skeleton"], f"rank {rank} state"),
-        _numbered(got, f"rank{rank}/"),
-    )
-    _set_rng_state(local["rng"])
-    dp.load_compression_state_dict(local["compression"])
-    return int(meta["step"])
+    _load_optimizer(opt, names, got)
+    if exact:
+        dp.load_compression_state_dict(_local_state(got, rank)["compression"])
+    return int(meta["step"]), exact
 
 
 def _numbered(got: dict[str, torch.Tensor], prefix: str) -> list[torch.Tensor]:
@@ -148,9 +194,23 @@ def _numbered(got: dict[str, torch.Tensor], prefix: str) -> list[torch.Tensor]:
 
 # -- pipelines ---------------------------------------------------------------------------------
 # Each rank writes its stages' layers under the full model's names (a replica of a stage
-# writes the same keys, stored once), each stage's optimizer under the stage's number, and
+# writes the same keys, stored once), its stages' optimizer state under the same names, and
 # its own RNG and REDUCE-compressor state; the split (``balance``) goes into the metadata, as
-# it was profiled at run time and the continuation must cut the model the same way.
+# it was profiled at run time and an exact continuation must cut the model the same way.
+
+
+def _stage_names(pipe: Pipeline) -> dict[int, str]:
+    """id -> full-model name of every parameter of this rank's stages."""
+    bounds = stage_bounds(pipe.balance)
+    mods = pipe.stage_module
+    parts = list(mods) if isinstance(mods, nn.ModuleList) else [mods]
+    named = {}
+    for s, mod in zip(pipe.stages, parts, strict=True):
+        lo = bounds[s][0]
+        for key, p in mod.named_parameters():
+            index, rest = key.split(".", 1)
+            named[id(p)] = f"{lo + int(index)}.{rest}"
+    return named
 
 
 def capture_pipeline(
@@ -158,14 +218,11 @@ def capture_pipeline(
 ) -> dict[str, torch.Tensor]:
     """The tensor map of a pipeline run after ``step`` steps, with nothing in flight."""
     out = {f"model/{k}": v.cpu() for k, v in pipe.local_state_dict().items()}
-    for s, opt in zip(pipe.stages, pipe.optimizers, strict=True):
-        skeleton, tensors = split_tensors(opt.state_dict())
-        out.update({f"optim/stage{s}/{i}": t.cpu() for i, t in enumerate(tensors)})
-        out[f"optim/stage{s}/skeleton"] = pack_object(skeleton)
+    named = _stage_names(pipe)
+    for opt in pipe.optimizers:
+        out.update(_optimizer_entries(opt, _names_in(opt, named)))
     compression = pipe.compression.state_dict() if pipe.data_parallel_size > 1 else {}
-    local, local_tensors = split_tensors({"rng": _rng_state(), "compression": compression})
-    out.update({f"rank{rank}/{i}": t.cpu() for i, t in enumerate(local_tensors)})
-    out[f"rank{rank}/skeleton"] = pack_object(local)
+    out.update(_local_entries(rank, compression))
     meta = {"step": step, "world_size": world, "kind": "pipeline", "schedule": schedule}
     out["run/meta"] = pack_object({**meta, "balance": pipe.balance})
     return out
@@ -181,26 +238,30 @@ def read_meta(store: SnapshotStore, snap: Snapshot) -> dict[str, Any]:
 
 
 def restore_pipeline(
-    store: SnapshotStore, snap: Snapshot, pipe: Pipeline, rank: int, meta: dict[str, Any]
+    store: SnapshotStore, snap: Snapshot, pipe: Pipeline, rank: int, exact: bool
 ) -> int:
-    """Load ``snap`` into a pipeline built with the checkpoint's balance; returns the step to
-    continue from."""
+    """Load ``snap`` into a pipeline (built with the checkpoint's balance when ``exact``);
+    returns the step to continue from. Resharded (not ``exact``), each rank's RNG and
+    compressor state start afresh."""
+    meta = read_meta(store, snap)
     index = read_index(snap.path)
-    stage_keys = [f"optim/stage{s}/" for s in pipe.stages]
-    keys = [k for k in index if k.startswith(("model/", f"rank{rank}/", *stage_keys))]
+    model_keys = [f"model/{k}" for k in _local_names(pipe)]
+    named = _stage_names(pipe)
+    keys = model_keys + _optimizer_keys(index, list(named.values()))
+    if exact:
+        keys += [k for k in index if k.startswith(f"rank{rank}/")]
     got = store.load(snap, keys)
     step = int(meta["step"])
     model = {k[len("model/") :]: v for k, v in got.items() if k.startswith("model/")}
     pipe.load_local_state_dict(model, next_batch=step)
-    for s, opt in zip(pipe.stages, pipe.optimizers, strict=True):
-        prefix = f"optim/stage{s}/"
-        skeleton = unpack_object(got[prefix + "skeleton"], f"stage {s} optimizer state")
-        opt.load_state_dict(join_tensors(skeleton, _numbered(got, prefix)))
-    local = join_tensors(
-        unpack_object(got[f"rank{rank}/skeleton"], f"rank {rank} state"),
-        _numbered(got, f"rank{rank}/"),
-    )
-    _set_rng_state(local["rng"])
-    if pipe.data_parallel_size > 1:
-        pipe.compression.load_state_dict(local["compression"])
+    for opt in pipe.optimizers:
+        _load_optimizer(opt, _names_in(opt, named), got)
+    if exact:
+        local = _local_state(got, rank)
+        if pipe.data_parallel_size > 1:
+            pipe.compression.load_state_dict(local["compression"])
     return step
+
+
+def _local_names(pipe: Pipeline) -> list[str]:
+    return list(pipe.local_state_dict())

@@ -75,9 +75,10 @@ def train(
     if cfg.resume is not None or attempt > 0:
         snap = store.latest()
         if snap is not None:
-            start = restore_dp(store, snap, model, opt, dp, rank, world)
+            start, exact = restore_dp(store, snap, model, opt, dp, rank, world)
             if rank == 0:
-                print(f"resumed from {snap.path} (step {start})", flush=True)
+                how = "" if exact else ", resharded: fresh RNG and compressor state"
+                print(f"resumed from {snap.path} (step {start}{how})", flush=True)
     log = MetricsLog(run_dir / "metrics.jsonl", resume_at=start) if rank == 0 else None
     progress = Progress(cfg.steps) if rank == 0 else None
     t_start = time.perf_counter()

@@ -241,3 +241,27 @@ def test_2bw_refuses_periodic_checkpoints_until_it_can_save_both_versions(tmp_pa
     res = syncline("train", *PIPE, "--schedule", "2bw", "--run-dir", str(tmp_path / "r"))
     assert res.returncode == 2
     assert "keeps two weight versions" in res.stderr and "gpipe" in res.stderr, res.stderr
+
+
+def test_a_pipeline_checkpoint_reshards_onto_4_stages_and_onto_data_parallelism(tmp_path):
+    """Written by a 2-stage 1F1B pipeline at step 4, continued as a 4-stage pipeline (4 ranks)
+    and as plain data parallelism (2 ranks): both end where the uninterrupted 2-stage run
+    ends, up to floating-point reassociation (state is keyed by the unsplit model's names)."""
+    flags = [*PIPE, "--schedule", "1f1b", "--checkpoint-every", "4"]
+    ref = tmp_path / "ref"
+    res = syncline("train", *flags, "--run-dir", str(ref))
+    assert res.returncode == 0, res.stderr[-3000:]
+    want = _final(ref)["model"]
+    for name, shape in {
+        "4-stages": ["--pipeline-stages", "4", "--nproc-per-node", "4"],
+        "data-parallel": ["--pipeline-stages", "1"],
+    }.items():
+        run = tmp_path / name
+        shutil.copytree(ref, run)
+        res = syncline("train", "--resume", str(run), *shape)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert "(step 4, resharded" in res.stdout, res.stdout[-2000:]
+        got = _final(run)["model"]
+        assert got.keys() == want.keys()
+        for k in want:
+            assert torch.allclose(got[k], want[k], rtol=0, atol=1e-5), (name, k)
