@@ -80,18 +80,27 @@ def fail_if_injected(
 
 
 def arm_failure(
-    cfg: TrainConfig, rank: int, step: int, attempt: int, model: nn.Module
+    cfg: TrainConfig,
+    rank: int,
+    step: int,
+    attempt: int,
+    model: nn.Module,
+    *,
+    per_layer: bool = False,
 ) -> list[Any]:
     """Hooks that make ``fail_if_injected`` strike inside this step's forward or backward
-    (``forward``, ``allreduce`` phases); remove them after the step."""
+    (``forward``, ``allreduce`` phases); remove them after the step. ``per_layer``: hook
+    every layer (a pipeline runs only its stages' layers, never the whole model's forward)."""
     point = cfg.failure_point()
     if attempt != 0 or point is None or point[:2] != (rank, step):
         return []
     if point[2] == "forward":
+        layers = list(model.children()) if per_layer else [model]
         return [
-            model.register_forward_pre_hook(
+            layer.register_forward_pre_hook(
                 lambda *_: fail_if_injected(cfg, rank, step, attempt, "forward")
             )
+            for layer in layers
         ]
     if point[2] == "allreduce":  # the first parameter's gradient comes last in backward
         first = next(p for p in model.parameters() if p.requires_grad)

@@ -384,10 +384,10 @@ class TrainConfig:
                 f"inject_failure={self.inject_failure!r}: rank must be in [0, {self.world_size})"
                 f" and step in [0, steps={self.steps})"
             )
-        if phase in ("forward", "allreduce") and self.pipeline_stages > 1:
+        if phase == "allreduce" and self.pipeline_stages > 1:
             raise ConfigError(
-                f"inject_failure={self.inject_failure!r}: pipelines support the phases start "
-                "and checkpoint only, for now"
+                f"inject_failure={self.inject_failure!r}: pipelines support the phases start, "
+                "forward and checkpoint"
             )
         every, done = self.checkpoint_every or 0, step + 1
         if phase == "checkpoint" and not (every and done % every == 0 and done < self.steps):

@@ -32,6 +32,7 @@ from syncline.pipeline import Pipeline
 from syncline.schedule import Event, Timeline, bubble_fraction, to_chrome_trace
 from syncline.train.checkpoint import save_checkpoint
 from syncline.train.common import (
+    arm_failure,
     build_dataset,
     build_model_for,
     fail_if_injected,
@@ -147,6 +148,7 @@ def train_pipeline(
     t_start = trace_from = time.perf_counter()
     for step in range(start, cfg.steps):
         fail_if_injected(cfg, rank, step, attempt)
+        armed = arm_failure(cfg, rank, step, attempt, model, per_layer=True)
         t0 = time.perf_counter()
         if step == max(0, cfg.steps - TRACE_STEPS):
             trace_from = t0
@@ -154,6 +156,8 @@ def train_pipeline(
         if step:  # the first step builds the optimizers (with this lr) when it profiles
             set_lr(pipe.optimizers, lr)
         loss = pipe.train_step(batches)
+        for handle in armed:
+            handle.remove()
         logged = step % cfg.log_every == 0 or step == cfg.steps - 1
         if log is not None and progress is not None and logged:
             record = timed_record(

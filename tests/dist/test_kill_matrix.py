@@ -6,8 +6,8 @@ Each cell runs ``syncline train`` (tiny GPT, checkpoints every 2 steps, ``--time
 ``--inject-failure 1:3:PHASE``: ``start`` exits with code 17 before step 3; the others die by
 SIGKILL inside it (in forward; in backward while the peers wait in the gradient allreduce;
 after writing their part of step 4's checkpoint, before it is published), with data
-parallelism (flat or hierarchical allreduce) or a 2-stage 1F1B pipeline (whose peer then
-waits in a send/recv). The bound on the
+parallelism (flat or hierarchical allreduce) or a 2-stage 1F1B pipeline (killed in its
+stage's forward, the last stage leaves the first waiting in a send/recv). The bound on the
 time to fail is a hang detector, not a speed claim: the collective timeout plus a wide margin
 for starting the processes on a loaded machine.
 """
@@ -39,6 +39,7 @@ CELLS = [
     ("flat", "checkpoint"),
     ("hierarchical", "allreduce"),
     ("pipeline", "start"),
+    ("pipeline", "forward"),
     ("pipeline", "checkpoint"),
 ]
 
