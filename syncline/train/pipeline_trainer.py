@@ -138,7 +138,7 @@ def train_pipeline(
     pipe = build_pipeline(cfg, model, device, group, data_parallel, balance=balance)
     start = 0
     if snap is not None:
-        start = restore_pipeline(store, snap, pipe, rank, exact)
+        start = restore_pipeline(store, snap, pipe, rank, meta, exact)
         if rank == 0:
             how = "" if exact else ", resharded: fresh RNG and compressor state"
             print(f"resumed from {snap.path} (step {start}{how})", flush=True)

@@ -26,6 +26,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -75,6 +76,7 @@ class SnapshotStore:
         self.group = group
         self.timeout_s = timeout_s
         self.device = device
+        self._verified: set[Path] = set()  # checked once; a resume reads a snapshot twice
 
     # -- reading ---------------------------------------------------------------------------
     def complete(self) -> list[Snapshot]:
@@ -99,17 +101,12 @@ class SnapshotStore:
         Raises:
             CheckpointError: on every rank, naming the first damaged or missing file.
         """
-        problems = self._verify_share(snap.path)
-        everyone = comm.allgather_objects(
-            problems,
-            group=self.group,
-            what=f"verification of {snap.path}",
-            timeout_s=self.timeout_s,
-            device=self.device,
-        )
-        found = [p for rank_problems in everyone for p in rank_problems]
-        if found:
-            raise CheckpointError(f"checkpoint {snap.path} is damaged: {found[0]}")
+        if snap.path not in self._verified:
+            everyone = self._everyone(self._verify_share(snap.path), f"verification of {snap.path}")
+            found = [p for rank_problems in everyone for p in rank_problems]
+            if found:
+                raise CheckpointError(f"checkpoint {snap.path} is damaged: {found[0]}")
+            self._verified.add(snap.path)
         return load_sharded(snap.path, keys, group=self.group)
 
     def _verify_share(self, path: Path) -> list[str]:
@@ -144,6 +141,7 @@ class SnapshotStore:
         ``on_written`` runs once this rank's files are on disk, before publication (where
         ``--inject-failure R:S:checkpoint`` strikes)."""
         final = self.root / f"step-{step:08d}"
+        self._verified.discard(final)  # rewritten below: checked again if read
         partial = self.root / f".partial-step-{step:08d}"
         rank, world = comm.group_rank(self.group), comm.group_size(self.group)
         if rank == 0:
@@ -156,13 +154,7 @@ class SnapshotStore:
             on_written()
         names = sorted(p.name for p in partial.iterdir())
         mine = {n: _size_and_digest(partial / n) for n in names[rank::world]}
-        everyone = comm.allgather_objects(
-            mine,
-            group=self.group,
-            what=f"checkpoint {step} digests",
-            timeout_s=self.timeout_s,
-            device=self.device,
-        )
+        everyone = self._everyone(mine, f"checkpoint {step} digests")
         if rank == 0:
             files = {n: {"size": s, "sha256": d} for part in everyone for n, (s, d) in part.items()}
             _write_synced(partial / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
@@ -181,6 +173,12 @@ class SnapshotStore:
         for d in self.root.iterdir():
             if d.name.startswith(".partial-step-"):
                 shutil.rmtree(d, ignore_errors=True)
+
+    def _everyone(self, mine: Any, what: str) -> list[Any]:
+        """Every rank's ``mine``, on every rank."""
+        return comm.allgather_objects(
+            mine, group=self.group, what=what, timeout_s=self.timeout_s, device=self.device
+        )
 
     def _barrier(self, what: str) -> None:
         comm.barrier(group=self.group, timeout_s=self.timeout_s, what=what)

@@ -199,18 +199,23 @@ def _numbered(got: dict[str, torch.Tensor], prefix: str) -> list[torch.Tensor]:
 # it was profiled at run time and an exact continuation must cut the model the same way.
 
 
-def _stage_names(pipe: Pipeline) -> dict[int, str]:
-    """id -> full-model name of every parameter of this rank's stages."""
+def _stage_entries(pipe: Pipeline) -> dict[str, torch.Tensor]:
+    """Full-model name -> tensor (parameters as themselves) of this rank's stages' state."""
     bounds = stage_bounds(pipe.balance)
     mods = pipe.stage_module
     parts = list(mods) if isinstance(mods, nn.ModuleList) else [mods]
-    named = {}
+    entries = {}
     for s, mod in zip(pipe.stages, parts, strict=True):
         lo = bounds[s][0]
-        for key, p in mod.named_parameters():
+        for key, t in mod.state_dict(keep_vars=True).items():
             index, rest = key.split(".", 1)
-            named[id(p)] = f"{lo + int(index)}.{rest}"
-    return named
+            entries[f"{lo + int(index)}.{rest}"] = t
+    return entries
+
+
+def _stage_names(entries: dict[str, torch.Tensor]) -> dict[int, str]:
+    """id -> full-model name of every parameter among ``entries``."""
+    return {id(t): n for n, t in entries.items() if isinstance(t, nn.Parameter)}
 
 
 def capture_pipeline(
@@ -218,7 +223,7 @@ def capture_pipeline(
 ) -> dict[str, torch.Tensor]:
     """The tensor map of a pipeline run after ``step`` steps, with nothing in flight."""
     out = {f"model/{k}": v.cpu() for k, v in pipe.local_state_dict().items()}
-    named = _stage_names(pipe)
+    named = _stage_names(_stage_entries(pipe))
     for opt in pipe.optimizers:
         out.update(_optimizer_entries(opt, _names_in(opt, named)))
     compression = pipe.compression.state_dict() if pipe.data_parallel_size > 1 else {}
@@ -238,15 +243,20 @@ def read_meta(store: SnapshotStore, snap: Snapshot) -> dict[str, Any]:
 
 
 def restore_pipeline(
-    store: SnapshotStore, snap: Snapshot, pipe: Pipeline, rank: int, exact: bool
+    store: SnapshotStore,
+    snap: Snapshot,
+    pipe: Pipeline,
+    rank: int,
+    meta: dict[str, Any],
+    exact: bool,
 ) -> int:
-    """Load ``snap`` into a pipeline (built with the checkpoint's balance when ``exact``);
-    returns the step to continue from. Resharded (not ``exact``), each rank's RNG and
-    compressor state start afresh."""
-    meta = read_meta(store, snap)
+    """Load ``snap`` (whose :func:`read_meta` is ``meta``) into a pipeline (built with the
+    checkpoint's balance when ``exact``); returns the step to continue from. Resharded (not
+    ``exact``), each rank's RNG and compressor state start afresh."""
     index = read_index(snap.path)
-    model_keys = [f"model/{k}" for k in _local_names(pipe)]
-    named = _stage_names(pipe)
+    entries = _stage_entries(pipe)
+    model_keys = [f"model/{k}" for k in entries]
+    named = _stage_names(entries)
     keys = model_keys + _optimizer_keys(index, list(named.values()))
     if exact:
         keys += [k for k in index if k.startswith(f"rank{rank}/")]
@@ -261,7 +271,3 @@ def restore_pipeline(
         if pipe.data_parallel_size > 1:
             pipe.compression.load_state_dict(local["compression"])
     return step
-
-
-def _local_names(pipe: Pipeline) -> list[str]:
-    return list(pipe.local_state_dict())
