@@ -251,19 +251,17 @@ class Pipeline:
         ``state`` (named as in the full module, as :meth:`local_state_dict` gives them), and
         the batches taken from now on are numbered from ``next_batch``.
 
+        Under 2BW the loaded weights become the one version held, numbered ``next_batch``
+        (a checkpoint is taken after a flush, when no older version is in use).
+
         Raises:
-            ConfigError: work is in flight, the schedule keeps weight versions (2BW: not
-                restorable yet), or ``state`` lacks one of this rank's tensors (named).
+            ConfigError: work is in flight, or ``state`` lacks one of this rank's tensors.
         """
         self._require_setup()
         assert self._balance is not None
         if self._in_flight is not None or self._queued is not None:
             raise ConfigError("load_local_state_dict: a batch is in flight; flush() first")
-        if SCHEDULES.get(self._plan.name).versioned:
-            raise ConfigError(
-                f"load_local_state_dict: schedule {self._plan.name!r} keeps weight versions, "
-                "which cannot be restored yet"
-            )
+        self.flush()  # 2BW: drop the older version, so that only the loaded one is held
         bounds = stage_bounds(self._balance)
         for s in self.stages:
             lo, _ = bounds[s]
@@ -274,7 +272,10 @@ class Pipeline:
                 if name not in state:
                     raise ConfigError(f"load_local_state_dict: no value for {name!r}")
                 mine[key] = state[name]
-            self._stages[s].module.load_state_dict(mine)
+            self._stages[s].module.load_state_dict(mine)  # in place: the newest version
+            versions = self._stages[s].versions
+            if versions is not None:
+                versions.renumber(next_batch)
         self._next_batch = next_batch
 
     @property

@@ -147,6 +147,15 @@ class WeightVersions:
         for p in self._params.values():
             p.grad = None
 
+    def renumber(self, version: int) -> None:
+        """A resumed run: the one held version (after a flush) becomes global ``version``, the
+        number of STEPs the checkpointed run had done, which the schedule's labels expect."""
+        if len(self._versions) != 1 or any(self._uses.values()):
+            raise RuntimeError(f"renumber needs one idle version (held: {self.held})")
+        buffers = self._versions.pop(self.newest)
+        self._uses = {}
+        self._install(version, buffers)
+
     def keep_newest(self) -> None:
         """End of a run (flush): drop every version but the newest."""
         for v in [v for v in self._versions if v != self.newest]:

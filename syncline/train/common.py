@@ -102,6 +102,13 @@ def arm_failure(
             )
             for layer in layers
         ]
+    if point[2] == "allreduce" and per_layer:  # die in the stage's backward: its replicas
+        # go on to the REDUCE of that batch and wait there for this rank
+        def on_output(_m: nn.Module, _i: Any, out: Any) -> None:
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(lambda g: fail_if_injected(cfg, rank, step, attempt, "allreduce"))
+
+        return [layer.register_forward_hook(on_output) for layer in model.children()]
     if point[2] == "allreduce":  # the first parameter's gradient comes last in backward
         first = next(p for p in model.parameters() if p.requires_grad)
         return [

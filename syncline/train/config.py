@@ -27,7 +27,8 @@ __all__ = ["BACKENDS", "FAILURE_PHASES", "OPTIMIZERS", "TrainConfig"]
 OPTIMIZERS = ("adamw", "sgd")
 #: where ``--inject-failure RANK:STEP:PHASE`` strikes: ``start`` (exit code 17 before the
 #: step), or SIGKILL ``forward`` (inside the model's forward), ``allreduce`` (in backward,
-#: while the peers wait in the gradient allreduce), ``checkpoint`` (after this rank wrote its
+#: while the peers wait in the gradient allreduce; a pipeline with replicas: in its stage's
+#: backward, while its replicas wait in the REDUCE), ``checkpoint`` (after this rank wrote its
 #: part of the step's checkpoint, before it is published)
 FAILURE_PHASES = ("start", "forward", "allreduce", "checkpoint")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -151,12 +152,11 @@ class TrainConfig:
     before the step, or with ``:PHASE`` die by SIGKILL inside it (``forward``,
     ``allreduce``, ``checkpoint``: after writing its part of the checkpoint the step ends
     with). Fires only in the first attempt, so a job restarted by ``max_restarts`` completes."""
-    checkpoint_every: int | None = option(
-        None, group=_CKPT, metavar="N", default_text="100; 0 with 2bw"
-    )
+    checkpoint_every: int | None = option(None, group=_CKPT, metavar="N", default_text="100")
     """Write a complete sharded checkpoint (every rank its part, in parallel, published
     atomically) under RUN_DIR/checkpoints every N steps; 0: only the final checkpoint.pt.
-    Not yet with a schedule that keeps two weight versions (2BW: a value > 0 is refused)."""
+    2BW flushes at these steps (the batch after one starts on the newest weights, as the
+    first batch does), so the checkpoint holds one weight version and nothing in flight."""
     keep_checkpoints: int = option(2, group=_CKPT, metavar="K")
     """How many of the newest periodic checkpoints to keep."""
     resume: str | None = option(None, group=_CKPT, metavar="RUN_DIR")
@@ -223,18 +223,9 @@ class TrainConfig:
         parse(self.compression)  # the grammar; value ranges are the compressor's to check
 
     def _check_checkpoints(self) -> None:
-        """Resolve ``checkpoint_every``; refuse checkpoints a schedule cannot restore yet."""
-        versioned = self.pipelined and SCHEDULES.get(self.schedule or DEFAULT_SCHEDULE).versioned
+        """Resolve ``checkpoint_every`` (None: every 100 steps)."""
         if self.checkpoint_every is None:
-            object.__setattr__(self, "checkpoint_every", 0 if versioned else 100)
-        if versioned and (self.checkpoint_every or self.resume):
-            plain = [n for n in SCHEDULES.names() if not SCHEDULES.get(n).versioned]
-            raise ConfigError(
-                f"checkpoint_every={self.checkpoint_every} / resume={self.resume!r}: schedule "
-                f"{self.schedule!r} keeps two weight versions, which periodic checkpoints do "
-                "not save yet; valid: checkpoint_every=0 and no resume, or a schedule without "
-                f"weight versions ({', '.join(plain)})"
-            )
+            object.__setattr__(self, "checkpoint_every", 100)
 
     def _check_launch(self) -> None:
         if not 0 <= self.node_rank < self.nnodes:
@@ -384,10 +375,10 @@ class TrainConfig:
                 f"inject_failure={self.inject_failure!r}: rank must be in [0, {self.world_size})"
                 f" and step in [0, steps={self.steps})"
             )
-        if phase == "allreduce" and self.pipeline_stages > 1:
+        if phase == "allreduce" and self.pipeline_stages > 1 and self.pipeline_replicas == 1:
             raise ConfigError(
-                f"inject_failure={self.inject_failure!r}: pipelines support the phases start, "
-                "forward and checkpoint"
+                f"inject_failure={self.inject_failure!r}: a pipeline without replicas has no "
+                "allreduce; valid phases: start, forward, checkpoint (allreduce: with replicas)"
             )
         every, done = self.checkpoint_every or 0, step + 1
         if phase == "checkpoint" and not (every and done % every == 0 and done < self.steps):

@@ -15,6 +15,7 @@ import functools
 import itertools
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -142,11 +143,14 @@ def train_pipeline(
         if rank == 0:
             how = "" if exact else ", resharded: fresh RNG and compressor state"
             print(f"resumed from {snap.path} (step {start}{how})", flush=True)
-    batches = itertools.islice(shard.batches(start), cfg.steps - start)  # 2BW: no extra
     log = MetricsLog(Path(cfg.run_dir) / "metrics.jsonl", resume_at=start) if rank == 0 else None
     progress = Progress(cfg.steps) if rank == 0 else None
     t_start = trace_from = time.perf_counter()
+    ends = _segment_ends(start, cfg.steps, cfg.checkpoint_every or 0)
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = iter(())
     for step in range(start, cfg.steps):
+        if step in ends:  # 2BW takes no batch beyond a checkpoint step: it flushes there
+            batches = itertools.islice(shard.batches(step), ends[step] - step)
         fail_if_injected(cfg, rank, step, attempt)
         armed = arm_failure(cfg, rank, step, attempt, model, per_layer=True)
         t0 = time.perf_counter()
@@ -173,7 +177,7 @@ def train_pipeline(
             progress.update(step, loss, record.samples_per_s, record.tokens_per_s, None)
         done = step + 1
         if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
-            pipe.flush()  # nothing in flight (the schedules that checkpoint do not overlap)
+            pipe.flush()  # 2BW: its batches ended here, so nothing is in flight
             assert cfg.schedule is not None
             store.save(
                 done,
@@ -193,6 +197,19 @@ def train_pipeline(
         return {}
     progress.close()
     return _finish(cfg, model, gathered, log, world)
+
+
+def _segment_ends(start: int, steps: int, every: int) -> dict[int, int]:
+    """``{first step: end step}`` of the runs of steps between checkpoints.
+
+    A 2BW call starts the next batch early; feeding it an iterator that ends at each
+    checkpoint step makes that call finish its batch without starting the next, so the
+    checkpoint holds one weight version and no batch in flight. The uninterrupted run is
+    cut at the same steps, so a resumed run continues it bit for bit. Flush schedules are
+    unaffected (they never take a batch ahead).
+    """
+    cuts = [start, *range((start // every + 1) * every, steps, every)] if every else [start]
+    return {a: b for a, b in zip(cuts, [*cuts[1:], steps], strict=True)}
 
 
 def _same_shape(meta: dict[str, Any], cfg: TrainConfig, world: int) -> bool:

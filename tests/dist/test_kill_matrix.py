@@ -6,8 +6,10 @@ Each cell runs ``syncline train`` (tiny GPT, checkpoints every 2 steps, ``--time
 ``--inject-failure 1:3:PHASE``: ``start`` exits with code 17 before step 3; the others die by
 SIGKILL inside it (in forward; in backward while the peers wait in the gradient allreduce;
 after writing their part of step 4's checkpoint, before it is published), with data
-parallelism (flat or hierarchical allreduce) or a 2-stage 1F1B pipeline (killed in its
-stage's forward, the last stage leaves the first waiting in a send/recv). The bound on the
+parallelism (flat or hierarchical allreduce) or a 2-rank pipeline under each schedule
+(killed in its stage's forward, the last stage leaves the first waiting in a send/recv;
+1F1B with 2 replicas per stage: killed in its stage's backward while its replica waits in
+the REDUCE). The bound on the
 time to fail is a hang detector, not a speed claim: the collective timeout plus a wide margin
 for starting the processes on a loaded machine.
 """
@@ -38,15 +40,23 @@ CELLS = [
     ("flat", "allreduce"),
     ("flat", "checkpoint"),
     ("hierarchical", "allreduce"),
-    ("pipeline", "start"),
-    ("pipeline", "forward"),
-    ("pipeline", "checkpoint"),
+    ("1f1b", "start"),
+    ("1f1b", "forward"),
+    ("1f1b", "checkpoint"),
+    ("gpipe", "forward"),
+    ("2bw", "forward"),
+    ("interleaved", "forward"),
+    ("replicas", "allreduce"),
 ]
+SCHEDULES = ("1f1b", "gpipe", "2bw", "interleaved")
 
 
 def _run(run: Path, allreduce: str, *extra: str) -> tuple[int, str, float]:
-    if allreduce == "pipeline":  # 2 stages, 1F1B, the second on rank 1
-        flags = ["--pipeline-stages", "2", "--schedule", "1f1b", "--n-layer", "2"]
+    if allreduce in SCHEDULES:  # 2 ranks (interleaved: 4 stages), rank 1 the last
+        flags = ["--pipeline-stages", "2", "--schedule", allreduce, "--n-layer", "2"]
+    elif allreduce == "replicas":  # 2 stages x 2 replicas; rank 1: stage 0, replica 1
+        flags = ["--pipeline-stages", "2", "--nproc-per-node", "4", "--schedule", "1f1b"]
+        flags += ["--n-layer", "2", "--microbatches", "2"]
     else:
         flags = ["--allreduce", allreduce]
     if allreduce == "hierarchical":  # 2 emulated nodes of 2 ranks
