@@ -128,6 +128,12 @@ class Links:
         self._loss_posted: dict[int, Receive] = {}
         self._grad_like: dict[tuple[int, int, int], Like] = {}
         self._sends: deque[tuple[int, Pending]] = deque()
+        #: payload bytes this rank sent, in all (shape headers and losses not counted)
+        self.sent = {"activations": 0, "gradients": 0}
+
+    @property
+    def p2p(self) -> PointToPoint:
+        return self._p2p
 
     def tag(self, a: Action) -> int:
         assert a.batch is not None and a.microbatch is not None
@@ -198,6 +204,7 @@ class Links:
             tensor, self.peer(a), tag=self.tag(a), what=self.what(a), header=header
         )
         self.hold(call, pending)
+        self.sent["activations" if forward else "gradients"] += pending.wire_bytes
         if forward:  # the gradient comes back with this shape
             if self.early:
                 self._post(Action(a.stage, K.RECV_B, a.microbatch, batch=a.batch), like)

@@ -94,6 +94,7 @@ class StageReplicas:
         self._timeout_s = timeout_s
         self._comm = comm.FlatAllreduce(group, timeout_s=timeout_s)
         self._buffers: dict[int, torch.Tensor] = {}
+        self.wire_bytes = 0  # what this rank's REDUCEs handed to the network, in all
 
     @property
     def size(self) -> int:
@@ -137,6 +138,16 @@ class StageReplicas:
             raise ConfigError(
                 f"{self._context(what)}: the replicas were built differently: " + "; ".join(diff)
             )
+
+    def join(self, parts: dict[int, nn.Module], shape: Sequence[int]) -> None:
+        """Check that the replicas agree on the pipeline's ``shape`` (and the trainable
+        parameter count of these stages), then copy the first replica's weights."""
+        trainable = sum(
+            p.numel() for part in parts.values() for p in part.parameters() if p.requires_grad
+        )
+        self.check_same([*shape, trainable])
+        for s, part in parts.items():
+            self.broadcast_weights(s, part)
 
     def agree(self, values: torch.Tensor, what: str) -> None:
         """Overwrite ``values`` with the first replica's (a profiled balance)."""
@@ -185,6 +196,7 @@ class StageReplicas:
         except CommError as exc:
             raise type(exc)(f"{self._context(what)} failed: {exc}") from exc
         self._wait(pending, what)
+        self.wire_bytes += pending.wire_bytes
         for t, view in zip(tensors, views, strict=True):
             t.grad = view
 

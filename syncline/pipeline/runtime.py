@@ -39,11 +39,12 @@ from syncline.partition import check_balance, stage_bounds
 from syncline.pipeline.batches import Batch, take_batch
 from syncline.pipeline.checks import check_args, check_callables
 from syncline.pipeline.config import DEFAULT_SCHEDULE, PipelineConfig
+from syncline.pipeline.evaluate import ForwardOnly
 from syncline.pipeline.links import Links
 from syncline.pipeline.memory import StageMemoryStats
 from syncline.pipeline.profile import profile_layers
 from syncline.pipeline.replicas import StageReplicas, check_compression, check_groups
-from syncline.pipeline.split import stage_modules
+from syncline.pipeline.split import full_state, stage_modules
 from syncline.pipeline.stage import LossFn, OptimizerFactory, Stage
 from syncline.schedule import (
     SCHEDULES,
@@ -175,6 +176,7 @@ class Pipeline:
         self._stages: dict[int, Stage] = {}
         self._balance: list[int] | None = None
         self._next_batch = 0  # global index of the next batch taken from the iterator
+        self._evals = 0  # forward-only passes so far (they number their messages)
         self._queued: Batch | None = None  # taken, no work done yet
         self._in_flight: Batch | None = None  # 2BW: taken, first forwards done
         self._batches: dict[int, Batch] = {}
@@ -229,30 +231,26 @@ class Pipeline:
         mods = [self._stages[s].module for s in self.stages]
         return mods[0] if len(mods) == 1 else nn.ModuleList(mods)
 
-    def local_state_dict(self) -> dict[str, torch.Tensor]:
+    def local_state_dict(self, *, keep_vars: bool = False) -> dict[str, torch.Tensor]:
         """This rank's layers' newest weights and buffers, named as in the full module.
 
         The union over all ranks is ``module.state_dict()`` of the trained model (detached
-        copies; tied weights appear under each name).
+        copies, or with ``keep_vars`` the live tensors; tied weights under each name).
         """
         self._require_setup()
         assert self._balance is not None
         bounds = stage_bounds(self._balance)
         out = {}
         for s in self.stages:
-            lo, _ = bounds[s]
-            for key, value in self._stages[s].module.state_dict().items():
-                index, rest = key.split(".", 1)
-                out[f"{lo + int(index)}.{rest}"] = value.detach().clone()
-        return out
+            out.update(full_state(self._stages[s].module, bounds[s][0]))
+        return out if keep_vars else {k: v.detach().clone() for k, v in out.items()}
 
     def load_local_state_dict(self, state: dict[str, torch.Tensor], next_batch: int) -> None:
         """Resume from a checkpoint: this rank's layers take their weights and buffers from
         ``state`` (named as in the full module, as :meth:`local_state_dict` gives them), and
-        the batches taken from now on are numbered from ``next_batch``.
-
-        Under 2BW the loaded weights become the one version held, numbered ``next_batch``
-        (a checkpoint is taken after a flush, when no older version is in use).
+        the batches taken from now on are numbered from ``next_batch``. Under 2BW the loaded
+        weights become the one version held, numbered ``next_batch`` (a checkpoint is taken
+        after a flush, when no older version is in use).
 
         Raises:
             ConfigError: work is in flight, or ``state`` lacks one of this rank's tensors.
@@ -262,26 +260,31 @@ class Pipeline:
         if self._in_flight is not None or self._queued is not None:
             raise ConfigError("load_local_state_dict: a batch is in flight; flush() first")
         self.flush()  # 2BW: drop the older version, so that only the loaded one is held
+        missing = sorted(set(self.local_state_dict(keep_vars=True)) - set(state))
+        if missing:
+            raise ConfigError(f"load_local_state_dict: no value for {missing[:5]}")
         bounds = stage_bounds(self._balance)
         for s in self.stages:
-            lo, _ = bounds[s]
-            mine = {}
-            for key in self._stages[s].module.state_dict():
-                index, rest = key.split(".", 1)
-                name = f"{lo + int(index)}.{rest}"
-                if name not in state:
-                    raise ConfigError(f"load_local_state_dict: no value for {name!r}")
-                mine[key] = state[name]
-            self._stages[s].module.load_state_dict(mine)  # in place: the newest version
-            versions = self._stages[s].versions
-            if versions is not None:
-                versions.renumber(next_batch)
+            stage = self._stages[s]
+            local = stage.module.state_dict(keep_vars=True)  # same order as full_state's
+            names = full_state(stage.module, bounds[s][0])
+            # in place: under 2BW the Parameters alias the newest version's buffers
+            stage.module.load_state_dict({k: state[n] for k, n in zip(local, names, strict=True)})
+            if stage.versions is not None:
+                stage.versions.renumber(next_batch)
         self._next_batch = next_batch
 
     @property
     def compression(self) -> Compressor:
         """The REDUCE's compressor (its ``state_dict`` belongs in a checkpoint)."""
         return self._compression
+
+    @property
+    def wire_bytes(self) -> dict[str, int]:
+        """Payload bytes this rank has sent so far: ``activations``, ``gradients`` (to the
+        neighbouring stages) and ``reduce`` (to its replicas, as compressed)."""
+        reduce = 0 if self._replicas is None else self._replicas.wire_bytes
+        return {**self._links.sent, "reduce": reduce}
 
     @property
     def data_parallel_size(self) -> int:
@@ -344,6 +347,31 @@ class Pipeline:
             stage.end_run()
         return loss
 
+    def eval_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """The mean loss of the next batch of ``batches``, forward only, on every rank (with
+        replicas: averaged over them): no gradients, no weight versions or optimizer
+        touched, so it may come between any two training calls (:mod:`.evaluate`)."""
+        batch = take_batch(batches, self._evals, self._m)
+        return float(self._forward_only(lambda run: run.loss(batch.inputs, batch.targets)))
+
+    def predict(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The model's outputs for ``inputs`` (cut into at most m micro-batches), forward
+        only and in ``eval()`` mode, on every rank (from the last stage's rank)."""
+        return self._forward_only(lambda run: run.outputs(inputs.chunk(self._m)))
+
+    def _forward_only(self, what: Callable[[ForwardOnly], Any]) -> Any:
+        self._check_usable()
+        self._require_setup()
+        self._evals += 1
+        modules = {s: stage.module for s, stage in self._stages.items()}
+        run = ForwardOnly(self._links.p2p, self._plan.schedule, modules, self._m, self._device,
+                          self._evals, self._loss_fn, self._replicas)  # fmt: skip
+        try:
+            return what(run)
+        except CommError as exc:
+            self._broken = str(exc)
+            raise
+
     def memory_stats(self) -> dict[int, StageMemoryStats]:
         """Per local stage: peak stashed activations and weight versions (measured)."""
         self._require_setup()
@@ -385,12 +413,9 @@ class Pipeline:
         if self._rank == 0:
             profile = profile_layers(self._module, batch.inputs[0].to(self._device))
             split = torch.tensor(balance_costs(profile.seconds, self._d), dtype=torch.int64)
+        what = "broadcast of the profiled balance"
         comm.broadcast_tensors_async(
-            [split],
-            src=0,
-            group=self._group,
-            what="broadcast of the profiled balance",
-            timeout_s=self._timeout_s,
+            [split], src=0, group=self._group, what=what, timeout_s=self._timeout_s
         ).wait()
         if self._replicas is not None:  # each pipeline profiled its own: take the first's
             self._replicas.agree(split, "broadcast of the profiled balance")
@@ -417,22 +442,9 @@ class Pipeline:
         """Check the replicas agree on the pipeline's shape, then copy the first's weights
         (before the 2BW weight versions are taken from them)."""
         assert self._replicas is not None
-        trainable = sum(
-            p.numel() for part in parts.values() for p in part.parameters() if p.requires_grad
-        )
-        self._replicas.check_same(
-            [
-                self._rank,
-                self._plan.num_ranks,
-                self._d,
-                self._m,
-                zlib.crc32(self._plan.name.encode()),
-                int(self._recompute),
-                trainable,
-            ]
-        )
-        for s, part in parts.items():
-            self._replicas.broadcast_weights(s, part)
+        name = zlib.crc32(self._plan.name.encode())
+        shape = [self._rank, self._plan.num_ranks, self._d, self._m, name, int(self._recompute)]
+        self._replicas.join(dict(parts), shape)
 
     def _take(self, batches: Iterator[Any]) -> Batch:
         batch = take_batch(batches, self._next_batch, self._m)

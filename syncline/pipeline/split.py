@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import nn
 
 from syncline.errors import ConfigError
@@ -42,3 +43,14 @@ def stage_modules(
     check_no_shared_weights(module, split)
     bounds = stage_bounds(split)
     return {s: nn.Sequential(*[module[i] for i in range(*bounds[s])]) for s in stages}
+
+
+def full_state(module: nn.Module, first_layer: int) -> dict[str, torch.Tensor]:
+    """A stage's ``state_dict(keep_vars=True)`` under the full model's names: its layer ``i``
+    is the model's layer ``first_layer + i`` (checkpoints and resharding key state by
+    these names, so they do not depend on the split)."""
+    out = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        index, rest = key.split(".", 1)
+        out[f"{first_layer + int(index)}.{rest}"] = value
+    return out

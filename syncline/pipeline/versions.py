@@ -16,8 +16,10 @@ its state, keyed by those Parameters) is the user's, unchanged. A STEP producing
 
 1. takes ``u``'s accumulated ``.grad``;
 2. picks the buffer for ``k+1``: ``u``'s own buffer when ``u < k`` (its last micro-batch
-   finished backward, so it is free; this is the steady state), else a new one (only in the
-   first step of a run, where ``u == k`` and the next batch still uses ``k``);
+   finished backward, so it is free; this is the steady state); when ``u == k`` (a run's
+   first step, or a call that ran one batch without starting the next), an older version
+   with nothing in flight, else a new one. So a run of one-batch calls holds two buffers,
+   never one more per call;
 3. copies ``k`` into it, points the Parameters at it, sets their ``.grad`` and runs the
    optimizer, which updates the new buffer in place; version ``k`` is untouched, so the
    in-flight micro-batches that use it stay valid.
@@ -131,8 +133,12 @@ class WeightVersions:
                 raise RuntimeError(
                     f"v{used} still has {self._uses[used]} micro-batch(es) in flight at the STEP"
                 )
-            buffers = self._versions.pop(used)
-            del self._uses[used]
+            recycled: int | None = used
+        else:  # the batch ran on the newest: an older idle version's buffer is free, if any
+            recycled = next((v for v in self.held if v < k and not self._uses[v]), None)
+        if recycled is not None:
+            buffers = self._versions.pop(recycled)
+            del self._uses[recycled]
         else:
             buffers = {n: torch.empty_like(t) for n, t in source.items()}
         with torch.no_grad():

@@ -121,6 +121,12 @@ def build_plan(
     spec = SCHEDULES.get(name)
     d, m = num_ranks, num_microbatches
     if spec.interleaved:
+        if d < 2:  # stage s runs on rank s % d: adjacent stages would share the one rank
+            raise ConfigError(
+                f"schedule={name!r} on a group of {d} rank: adjacent stages would run on the "
+                "same rank and message themselves; valid: a group of >= 2 ranks, or a flush "
+                "schedule (gpipe, 1f1b) with num_stages=1"
+            )
         if num_stages % d or num_stages // d < 2:
             raise ConfigError(
                 f"schedule={name!r} needs num_stages a multiple >= 2 of the {d} ranks "

@@ -27,7 +27,10 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from syncline.schedule._engine import execute
-from syncline.schedule.ir import Action, ActionKind, Schedule, ScheduleError
+from syncline.schedule.ir import COMPUTE, Action, ActionKind, Schedule, ScheduleError
+
+#: the kinds that keep a rank working; the others wait on the network or on other ranks
+WORK = COMPUTE | {ActionKind.STEP}
 
 
 def render_grid(schedule: Schedule, *, mark: Collection[tuple[int, int]] = ()) -> str:
@@ -103,13 +106,24 @@ class Timeline:
         """Ranks x makespan: the device time the run holds."""
         return len(self.events) * self.makespan
 
+    def busy(self, rank: int) -> float:
+        """Time ``rank`` spent working: in F, B, RECOMPUTE and STEP. Time in SEND, RECV and
+        REDUCE is waiting for the network or other ranks, as it is in a measured run (a
+        RECV blocks until its message is in), so it counts as idle."""
+        return sum(e.end - e.start for e in self.events[rank] if e.action.kind in WORK)
+
     @property
     def busy_time(self) -> float:
-        return sum(e.end - e.start for evs in self.events.values() for e in evs)
+        return sum(self.busy(rank) for rank in self.events)
 
     @property
     def idle_time(self) -> float:
         return self.total_stage_time - self.busy_time
+
+    def idle_fractions(self) -> dict[int, float]:
+        """Per rank (the stage, unless interleaved): the share of the makespan not working."""
+        span = self.makespan
+        return {r: 1.0 - self.busy(r) / span if span else 0.0 for r in self.events}
 
 
 def simulate(
@@ -151,7 +165,8 @@ def simulate(
 
 
 def bubble_fraction(timeline: Timeline) -> float:
-    """Idle time over total stage time (ranks x makespan); 0.0 for an empty timeline."""
+    """Idle time (not in F, B, RECOMPUTE or STEP) over total stage time (ranks x makespan);
+    0.0 for an empty timeline."""
     total = timeline.total_stage_time
     return timeline.idle_time / total if total else 0.0
 

@@ -22,6 +22,8 @@ class StepRecord:
     collectives: int
     exposed_comm_s: float
     elapsed_s: float
+    #: pipelines: ``wire_bytes`` by what was sent (activations, gradients, reduce)
+    wire_split: dict[str, int] | None = None
 
 
 def timed_record(
@@ -36,6 +38,7 @@ def timed_record(
     wire_bytes: int = 0,
     collectives: int = 0,
     exposed_comm_s: float = 0.0,
+    wire_split: dict[str, int] | None = None,
 ) -> StepRecord:
     """The record of a step that began at ``started`` (``time.perf_counter()``) and ends now;
     both training loops (data parallel, pipeline) log through it, so the rates mean the same."""
@@ -52,6 +55,7 @@ def timed_record(
         collectives=collectives,
         exposed_comm_s=exposed_comm_s,
         elapsed_s=now - run_started,
+        wire_split=wire_split,
     )
 
 

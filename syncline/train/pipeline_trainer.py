@@ -146,6 +146,7 @@ def train_pipeline(
     log = MetricsLog(Path(cfg.run_dir) / "metrics.jsonl", resume_at=start) if rank == 0 else None
     progress = Progress(cfg.steps) if rank == 0 else None
     t_start = trace_from = time.perf_counter()
+    wire = _WireMeter(pipe, start, cfg.timeout_s, device)
     ends = _segment_ends(start, cfg.steps, cfg.checkpoint_every or 0)
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = iter(())
     for step in range(start, cfg.steps):
@@ -163,6 +164,8 @@ def train_pipeline(
         for handle in armed:
             handle.remove()
         logged = step % cfg.log_every == 0 or step == cfg.steps - 1
+        if logged:  # every rank: the job's bytes on the wire go into the record
+            split = wire.per_step(step)
         if log is not None and progress is not None and logged:
             record = timed_record(
                 step,
@@ -172,6 +175,8 @@ def train_pipeline(
                 tokens_per_sample=tokens_per_sample,
                 started=t0,
                 run_started=t_start,
+                wire_bytes=sum(split.values()),
+                wire_split=split,
             )
             log.append(record)
             progress.update(step, loss, record.samples_per_s, record.tokens_per_s, None)
@@ -197,6 +202,29 @@ def train_pipeline(
         return {}
     progress.close()
     return _finish(cfg, model, gathered, log, world)
+
+
+class _WireMeter:
+    """The job's bytes on the wire per step: every rank's :attr:`Pipeline.wire_bytes`,
+    summed over the ranks (a small allreduce at each logged step, which every rank logs
+    alike) and averaged over the steps since the previous record."""
+
+    KINDS = ("activations", "gradients", "reduce")
+
+    def __init__(self, pipe: Pipeline, start: int, timeout_s: float, device: torch.device):
+        self._pipe, self._timeout_s, self._device = pipe, timeout_s, device
+        self._last_step, self._last = start - 1, torch.zeros(3, dtype=torch.float64)
+
+    def per_step(self, step: int) -> dict[str, int]:
+        mine = self._pipe.wire_bytes
+        sent = torch.tensor([float(mine[k]) for k in self.KINDS], dtype=torch.float64)
+        sent = sent.to(self._device)
+        what = f"sum of the bytes on the wire at step {step}"
+        comm.FlatAllreduce(None, timeout_s=self._timeout_s).allreduce(sent, what).wait()
+        total = sent.cpu()
+        per = (total - self._last) / (step - self._last_step)
+        self._last_step, self._last = step, total
+        return {k: round(float(v)) for k, v in zip(self.KINDS, per, strict=True)}
 
 
 def _segment_ends(start: int, steps: int, every: int) -> dict[int, int]:
@@ -329,7 +357,7 @@ def _finish(
         f"{cfg.model} on {cfg.dataset}, {cfg.schedule} pipeline of {cfg.virtual_stages} stages",
     )
     summary = summarize(log.records)
-    for key in ("wire_bytes_per_step", "collectives_per_step", "median_exposed_comm_s"):
+    for key in ("collectives_per_step", "median_exposed_comm_s"):
         summary.pop(key, None)
     summary.update(
         model=cfg.model,
@@ -346,6 +374,7 @@ def _finish(
         memory=memory,
         traced_steps=[first, cfg.steps - 1],
         traced_bubble_fraction=bubble_fraction(timeline),
+        traced_idle_per_rank={str(r): f for r, f in timeline.idle_fractions().items()},
         checkpoint=str(ckpt),
     )
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -355,6 +384,7 @@ def _finish(
 
 def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
     peak = max((m["peak_activation_bytes"] for m in summary["memory"].values()), default=0)
+    idle = ", ".join(f"{f:.0%}" for f in summary["traced_idle_per_rank"].values())
     print(
         f"\nsummary: {summary['steps']} steps, {summary['schedule']} over "
         f"{summary['virtual_stages']} stages (balance {summary['balance']}), "
@@ -362,7 +392,8 @@ def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
         f"{summary['final_loss']:.4f} | {summary['median_samples_per_s']:.1f} samples/s, "
         f"{summary['median_tokens_per_s']:.0f} tokens/s (median) | stashed activations "
         f"{human_bytes(peak)} at most (largest stage) | idle "
-        f"{summary['traced_bubble_fraction']:.0%} of the traced steps | "
+        f"{summary['traced_bubble_fraction']:.0%} of the traced steps (per rank: {idle}) | "
+        f"{human_bytes(summary['wire_bytes_per_step'])} on the wire/step | "
         f"{summary['elapsed_s']:.1f}s\n"
         f"run directory: {run_dir} (config.json, metrics.jsonl, loss.png, checkpoint.pt, "
         "summary.json, trace.json, schedule.png)",

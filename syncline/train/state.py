@@ -23,7 +23,6 @@ from torch import nn
 from syncline.comm.sharded import pack_object, read_index, unpack_object
 from syncline.dp.engine import DataParallel
 from syncline.errors import CheckpointError
-from syncline.partition import stage_bounds
 from syncline.pipeline.runtime import Pipeline
 from syncline.train.snapshots import Snapshot, SnapshotStore
 
@@ -201,16 +200,7 @@ def _numbered(got: dict[str, torch.Tensor], prefix: str) -> list[torch.Tensor]:
 
 def _stage_entries(pipe: Pipeline) -> dict[str, torch.Tensor]:
     """Full-model name -> tensor (parameters as themselves) of this rank's stages' state."""
-    bounds = stage_bounds(pipe.balance)
-    mods = pipe.stage_module
-    parts = list(mods) if isinstance(mods, nn.ModuleList) else [mods]
-    entries = {}
-    for s, mod in zip(pipe.stages, parts, strict=True):
-        lo = bounds[s][0]
-        for key, t in mod.state_dict(keep_vars=True).items():
-            index, rest = key.split(".", 1)
-            entries[f"{lo + int(index)}.{rest}"] = t
-    return entries
+    return pipe.local_state_dict(keep_vars=True)
 
 
 def _stage_names(entries: dict[str, torch.Tensor]) -> dict[int, str]:

@@ -93,6 +93,22 @@ def test_two_replicas_of_a_2bw_pipeline_with_fp16_gradient_compression(tmp_path)
         *("--compression", "fp16", "--balance", "2,2", "--steps", "6"),
     )
     assert summary["replicas"] == 2 and summary["world_size"] == 4
+    # bytes on the wire, summed over the ranks: per step and replica, m=2 activations of
+    # 4 sequences x 16 tokens x 32 wide in fp32 go forward and as many gradients back;
+    # each stage's replicas send its gradient in fp16. The records hold the rate since the
+    # previous record; 2BW's steps overlap, but all 6 batches are sent by the last one.
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records]
+    sent = {k: 0 for k in ("activations", "gradients", "reduce")}
+    for prev, r in zip([-1, *steps], records, strict=False):
+        assert r["wire_bytes"] == sum(r["wire_split"].values())
+        for k in sent:
+            sent[k] += r["wire_split"][k] * (r["step"] - prev)
+    one_way = 6 * 2 * 2 * (4 * 16 * 32 * 4)  # batches x replicas x micro-batches x bytes
+    # the REDUCE: 6 batches x 2 replicas x 2 bytes per parameter
+    want = {"activations": one_way, "gradients": one_way, "reduce": 24 * summary["parameters"]}
+    for k, v in want.items():  # each record's rate is rounded to a byte
+        assert abs(sent[k] - v) <= 3 * len(records), (k, sent[k], v)
     kinds = _trace_kinds(run)
     assert sorted(kinds) == [0, 1, 2, 3]
     assert all("REDUCE" in kinds[rank] for rank in range(4))

@@ -89,6 +89,7 @@ def test_check_cut_catches_a_receive_before_its_send() -> None:
         (("interleaved", 2, 2, 2), "multiple >= 2 of the 2 ranks"),
         (("interleaved", 2, 5, 2), "multiple >= 2 of the 2 ranks"),
         (("interleaved", 2, 4, 3), "must be a multiple of num_ranks=2"),
+        (("interleaved", 1, 2, 2), "group of 1 rank: adjacent stages would run on the same"),
     ],
 )
 def test_build_plan_rejects(args: tuple, match: str) -> None:

@@ -188,7 +188,8 @@ def test_profiled_balance_on_first_step() -> None:
         ({"balance": [2, 3]}, "has 2 stages; valid: 1 entries"),
         ({"balance": [5, 0]}, "ints >= 1"),
         ({"num_stages": 2}, "must equal the process group's size 1"),
-        ({"schedule": "interleaved"}, "multiple >= 2 of the 1 ranks"),
+        ({"schedule": "interleaved"}, "group of 1 rank: adjacent stages"),
+        ({"schedule": "interleaved", "num_stages": 2}, "group of 1 rank: adjacent stages"),
         ({"timeout_s": 0}, "timeout_s=0"),
     ],
 )

@@ -10,7 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from syncline.schedule import (
+    Action,
     ActionKind,
+    Event,
     Schedule,
     ScheduleError,
     Timeline,
@@ -85,7 +87,7 @@ def test_two_bw_has_one_fill_and_drain_for_all_batches(d: int, m: int, num_batch
 def test_costs_of_recompute_reduce_step_and_comm() -> None:
     timeline = simulate(gpipe(1, 2, recompute=True), t_f=1.0, t_b=2.0, t_reduce=0.5, t_step=0.25)
     assert timeline.makespan == 2 * 1.0 + 2 * (1.0 + 2.0) + 0.5 + 0.25
-    assert bubble_fraction(timeline) == 0.0
+    assert bubble_fraction(timeline) == 0.5 / 8.75  # the REDUCE waits on the network
     # F0, message (0.5), F0, B0, message (0.5), B0.
     timeline = simulate(add_communication(gpipe(2, 1)), t_f=1.0, t_b=2.0, t_comm=0.5)
     assert timeline.makespan == 1.0 + 0.5 + 1.0 + 2.0 + 0.5 + 2.0
@@ -114,3 +116,25 @@ def test_chrome_trace() -> None:
     expected = (30.0, 20.0, ActionKind.BACKWARD.name)
     assert (first_backward["ts"], first_backward["dur"], first_backward["cat"]) == expected
     json.dumps(trace)  # serialisable as is
+
+
+@settings(max_examples=30, deadline=None)
+@given(stages, microbatches, st.booleans())
+def test_every_stage_idles_the_bubble_formula(d: int, m: int, comm: bool) -> None:
+    """Per stage (not only on average): with t_f == t_b each of 1F1B's ranks works
+    m * (t_f + t_b) of a makespan of (m + d - 1) * (t_f + t_b)."""
+    schedule = one_f_one_b(d, m)
+    timeline = simulate(add_communication(schedule) if comm else schedule, t_f=1.0, t_b=1.0)
+    for rank, idle in timeline.idle_fractions().items():
+        assert idle == pytest.approx((d - 1) / (m + d - 1), abs=1e-12), rank
+
+
+def test_time_waiting_in_a_receive_is_idle() -> None:
+    """A measured run blocks inside RECV (and REDUCE) until the peer's message is in: that
+    time is idle, as if the rank had waited before the action."""
+    f, b = Action(0, ActionKind.FORWARD, 0), Action(0, ActionKind.BACKWARD, 0)
+    recv = Action(0, ActionKind.RECV_B, 0)
+    events = (Event(0, f, 0.0, 1.0), Event(0, recv, 1.0, 3.0), Event(0, b, 3.0, 4.0))
+    timeline = Timeline("measured", {0: events})
+    assert timeline.idle_fractions() == {0: 0.5}
+    assert bubble_fraction(timeline) == 0.5

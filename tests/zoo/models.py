@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 import torch
 from torch import nn
@@ -44,18 +44,20 @@ def reference_training(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     *,
     stale: bool,
+    flushed_before: Collection[int] = (),
 ) -> list[float]:
     """Train ``model`` in one process on whole batches; returns the loss of every step.
 
     ``stale`` applies 2BW's rule: W(t+1) = W(t) - lr * grad f(W(t-1)), W(-1) = W(0), i.e. the
     gradient is taken on a copy one step behind and applied to the newest weights (the
-    optimizer and its state act on the newest).
+    optimizer and its state act on the newest); except at the steps in ``flushed_before``,
+    which a 2BW pipeline starts after a flush, on the newest weights.
     """
     opt = optimizer(model.parameters())
     behind = copy.deepcopy(model)
     losses = []
-    for x, y in batches:
-        where = behind if stale else model
+    for step, (x, y) in enumerate(batches):
+        where = behind if stale and step not in flushed_before else model
         where.zero_grad()
         loss = loss_fn(where(x), y)
         loss.backward()
@@ -69,7 +71,7 @@ def reference_training(
 
 
 def lm_reference(
-    optimizer: OptimizerFactory, *, stale: bool
+    optimizer: OptimizerFactory, *, stale: bool, flushed_before: Collection[int] = ()
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """``tiny_gpt`` trained in one process on the whole batches of ``lm_batches`` (``stale``:
     2BW's rule, see :func:`reference_training`).
@@ -78,7 +80,9 @@ def lm_reference(
         The final state dict and the loss of every step.
     """
     model = tiny_gpt()
-    losses = reference_training(model, optimizer, lm_batches(), lm_loss, stale=stale)
+    losses = reference_training(
+        model, optimizer, lm_batches(), lm_loss, stale=stale, flushed_before=flushed_before
+    )
     return model.state_dict(), losses
 
 
