@@ -22,6 +22,13 @@ _EXPORTS = {
     "build_gpt": "syncline.models.gpt",
     "gpt_flops_per_token": "syncline.models.gpt",
     "lm_loss": "syncline.models.gpt",
+    "gpt_layer_init": "syncline.models.gpt",
+    "cnn_layer_init": "syncline.models.cnn",
+    "LayerInit": "syncline.models.meta_init",
+    "layer_seed": "syncline.models.meta_init",
+    "materialize": "syncline.models.meta_init",
+    "materialize_layers": "syncline.models.meta_init",
+    "reset_parameters": "syncline.models.meta_init",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -9,13 +9,16 @@ reference model for testing buffer handling in data and pipeline parallelism.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from syncline.models.configs import CNNConfig
+from syncline.models.meta_init import reset_parameters
 
-__all__ = ["CNNConfig", "ConvBlock", "ResidualBlock", "build_cnn", "cnn_loss"]
+__all__ = ["CNNConfig", "ConvBlock", "ResidualBlock", "build_cnn", "cnn_layer_init", "cnn_loss"]
 
 _POOLED_GRID = 4  # side of the feature grid the classifier sees, at most
 
@@ -67,6 +70,13 @@ def build_cnn(cfg: CNNConfig | None = None) -> nn.Sequential:
         nn.Flatten(),
         nn.Linear(cfg.width * grid * grid, cfg.num_classes),
     )
+
+
+def cnn_layer_init(cfg: CNNConfig) -> Callable[[int, nn.Module], None]:
+    """The per-layer initialiser: torch's default (``reset_parameters``, which BatchNorm
+    extends to its running statistics), as :func:`build_cnn` leaves the layers."""
+    del cfg
+    return reset_parameters
 
 
 def cnn_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

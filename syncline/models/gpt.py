@@ -9,6 +9,7 @@ stages anywhere. The architecture and the initialisation follow nanoGPT
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,7 @@ __all__ = [
     "Head",
     "build_gpt",
     "gpt_flops_per_token",
+    "gpt_layer_init",
     "lm_loss",
 ]
 
@@ -120,9 +122,10 @@ class Head(nn.Module):
         return logits
 
 
-def _init_weights(model: nn.Sequential, n_layer: int) -> None:
+def _init_weights(model: nn.Module, n_layer: int) -> None:
     """nanoGPT init: N(0, 0.02) for Linear and Embedding weights, zero biases, and the
-    projections that write into the residual stream scaled by 1/sqrt(2 * n_layer) (GPT-2)."""
+    projections that write into the residual stream scaled by 1/sqrt(2 * n_layer) (GPT-2);
+    LayerNorm to ones and zeros. ``model``: the whole model or one of its layers."""
     for module in model.modules():
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, mean=0.0, std=_INIT_STD)
@@ -130,9 +133,23 @@ def _init_weights(model: nn.Sequential, n_layer: int) -> None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=_INIT_STD)
+        elif isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
     for name, param in model.named_parameters():
         if name.endswith("c_proj.weight"):
             nn.init.normal_(param, mean=0.0, std=_INIT_STD / math.sqrt(2 * n_layer))
+
+
+def gpt_layer_init(cfg: GPTConfig) -> Callable[[int, nn.Module], None]:
+    """The per-layer initialiser (``init(index, layer)``) of a GPT of shape ``cfg``: the
+    nanoGPT init of :func:`build_gpt`, one layer at a time, for models built on the meta
+    device (:mod:`syncline.models.meta_init`)."""
+
+    def init(index: int, layer: nn.Module) -> None:
+        del index
+        _init_weights(layer, cfg.n_layer)
+
+    return init
 
 
 def build_gpt(cfg: GPTConfig | None = None) -> nn.Sequential:

@@ -54,6 +54,11 @@ class ModelSpec:
         seq_len_field: the config field that takes ``TrainConfig.seq_len`` (the GPT's
             ``block_size``), for sequence models.
         language_model: its targets are tokens of the input (throughput counts tokens).
+        init: ``config -> init(index, layer)`` (or ``"module:function"``), initialising one
+            layer in place; with it the trainers build the model on the meta device and
+            materialise layer by layer from per-layer seeds, so a pipeline rank allocates
+            only its stage (:mod:`syncline.models.meta_init`). ``None``: the model is
+            built whole, initialised by its builder.
     """
 
     name: str
@@ -67,6 +72,7 @@ class ModelSpec:
     flags: Mapping[str, str] = field(default_factory=dict)
     seq_len_field: str | None = None
     language_model: bool = False
+    init: str | Callable[[Any], Any] | None = None
 
     def __post_init__(self) -> None:
         if not dataclasses.is_dataclass(self.config):
@@ -169,6 +175,7 @@ MODELS.register(
         flags={"n_layer": "--n-layer", "n_embd": "--n-embd", "n_head": "--n-head"},
         seq_len_field="block_size",
         language_model=True,
+        init="syncline.models.gpt:gpt_layer_init",
     )
 )
 MODELS.register(
@@ -182,5 +189,6 @@ MODELS.register(
         num_layers=lambda c: c.depth + 3,
         describe_layers=lambda c: "stem, residual blocks, pool, flatten, linear",
         flags={"width": "--cnn-width"},
+        init="syncline.models.cnn:cnn_layer_init",
     )
 )

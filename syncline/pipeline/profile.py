@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,9 +40,16 @@ def _sync(device: torch.device) -> None:
 
 
 def profile_layers(
-    layers: nn.Sequential, sample: torch.Tensor, *, repeats: int = 3
+    layers: nn.Sequential,
+    sample: torch.Tensor,
+    *,
+    repeats: int = 3,
+    prepare: Callable[[int, nn.Module], nn.Module] | None = None,
 ) -> LayerProfile:
     """Profile ``layers`` on ``sample`` (one micro-batch of stage-0 input).
+
+    ``prepare(index, layer)`` gives the module to run for a layer (a real copy of one on
+    the meta device, dropped once measured, so only one layer at a time is allocated).
 
     Raises:
         TypeError: a layer does not return one tensor.
@@ -50,7 +58,8 @@ def profile_layers(
     seconds, act, weights = [], [], []
     with torch.random.fork_rng(devices=[sample.device] if sample.device.type == "cuda" else []):
         h = sample
-        for index, layer in enumerate(layers):
+        for index, original in enumerate(layers):
+            layer = original if prepare is None else prepare(index, original)
             times, saved, out = [], 0, h
             for rep in range(repeats + 1):
                 x = h.detach().requires_grad_(h.is_floating_point())

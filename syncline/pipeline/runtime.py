@@ -34,17 +34,17 @@ from syncline import comm
 from syncline.comm.p2p import PointToPoint
 from syncline.dp.compression import Compressor
 from syncline.errors import CommError, ConfigError
-from syncline.partition import balance as balance_costs
-from syncline.partition import check_balance, stage_bounds
+from syncline.models.meta_init import LayerInit
+from syncline.partition import stage_bounds
 from syncline.pipeline.batches import Batch, take_batch
+from syncline.pipeline.build import build_stages, profiled_split
 from syncline.pipeline.checks import check_args, check_callables
 from syncline.pipeline.config import DEFAULT_SCHEDULE, PipelineConfig
 from syncline.pipeline.evaluate import ForwardOnly
 from syncline.pipeline.links import Links
 from syncline.pipeline.memory import StageMemoryStats
-from syncline.pipeline.profile import profile_layers
 from syncline.pipeline.replicas import StageReplicas, check_compression, check_groups
-from syncline.pipeline.split import full_state, stage_modules
+from syncline.pipeline.split import full_state
 from syncline.pipeline.stage import LossFn, OptimizerFactory, Stage
 from syncline.schedule import (
     SCHEDULES,
@@ -68,9 +68,11 @@ class Pipeline:
     """Pipeline-parallel training of an ``nn.Sequential``: one rank per stage, optionally
     times ``w`` data-parallel replicas of the whole pipeline.
 
-    Every rank builds the same full model (same seed) and constructs the same ``Pipeline``;
-    each keeps and trains only its stage's layers. Under 2BW, call :meth:`flush` before
-    changing weights from outside (loading a checkpoint): an older version may be in use.
+    Every rank builds the same model, on the meta device (``init``; no memory until each
+    rank materialises its own stages) or whole with the same seed, and constructs the same
+    ``Pipeline``; each keeps and trains only its stage's layers. Under 2BW, call
+    :meth:`flush` before changing weights from outside (loading a checkpoint): an older
+    version may be in use.
 
     Args:
         module: the model, a sequence of one-tensor-to-one-tensor layers.
@@ -98,6 +100,13 @@ class Pipeline:
             e.g. ``FP16()``, ``CSC(0.01)``); one bucket per stage. Unused without replicas.
         timeout_s: the longest any wait on another rank may take.
         device: where the stage runs; default: where the module's parameters are.
+        init: ``init(index, layer)`` for a model built on the meta device: each rank
+            materialises only its stages' layers, layer ``index`` of the full model from
+            its own seed (:mod:`syncline.models.meta_init`; default ``reset_parameters``),
+            so the weights do not depend on the split. Layers not on the meta device keep
+            their values.
+        seed: the run's seed for that (``materialize(model, seed=...)`` gives the same
+            full model in one process).
         track_memory: measure stashed activations for :meth:`memory_stats` with autograd
             saved-tensor hooks. Off by default, as a profiler would be: a Python hook per
             saved tensor costs a few per cent of a small model's step on CPU; without it
@@ -136,6 +145,8 @@ class Pipeline:
         track_memory: bool = False,
         data_parallel_group: comm.Group = None,
         compression: Compressor | None = None,
+        init: LayerInit | None = None,
+        seed: int = 0,
     ) -> None:
         config = PipelineConfig(
             num_stages=num_stages,
@@ -169,8 +180,9 @@ class Pipeline:
             if width > 1
             else None
         )
+        self._init, self._seed = init, seed
         first = next(module.parameters(), None)
-        default = first.device if first is not None else torch.device("cpu")
+        default = first.device if first is not None and not first.is_meta else torch.device("cpu")
         self._device = torch.device(device) if device is not None else default
         self._last_rank = self._plan.schedule.rank_of(num_stages - 1)
         self._stages: dict[int, Stage] = {}
@@ -319,7 +331,13 @@ class Pipeline:
         current = self._in_flight or self._queued or self._take(batches)
         self._queued = None if in_flight else current  # kept if the next batch is bad
         if self._balance is None:
-            self._profile(current)
+            self._setup(
+                profiled_split(
+                    self._module, current.inputs[0].to(self._device), self._d, rank=self._rank,
+                    group=self._group, replicas=self._replicas, timeout_s=self._timeout_s,
+                    seed=self._seed, init=self._init,
+                )
+            )  # fmt: skip
         nxt = None
         if self._plan.overlapping:
             try:
@@ -407,44 +425,20 @@ class Pipeline:
         if self._broken is not None:
             raise StageError(f"rank {self._rank}: pipeline stopped after a failure: {self._broken}")
 
-    def _profile(self, batch: Batch) -> None:
-        """Rank 0 profiles the layers on one micro-batch and broadcasts the split."""
-        split = torch.zeros(self._d, dtype=torch.int64)
-        if self._rank == 0:
-            profile = profile_layers(self._module, batch.inputs[0].to(self._device))
-            split = torch.tensor(balance_costs(profile.seconds, self._d), dtype=torch.int64)
-        what = "broadcast of the profiled balance"
-        comm.broadcast_tensors_async(
-            [split], src=0, group=self._group, what=what, timeout_s=self._timeout_s
-        ).wait()
-        if self._replicas is not None:  # each pipeline profiled its own: take the first's
-            self._replicas.agree(split, "broadcast of the profiled balance")
-        self._setup(check_balance([int(v) for v in split.tolist()], len(self._module), self._d))
-
     def _setup(self, split: list[int]) -> None:
-        parts = stage_modules(self._module, split, self.stages)
-        if self._replicas is not None:
-            self._join_replicas(parts)
-        for s, part in parts.items():
-            self._stages[s] = Stage(
-                s,
-                part.to(self._device),
-                last=s == self._d - 1,
-                loss_fn=self._loss_fn,
-                optimizer=self._optimizer,
-                num_microbatches=self._m,
-                versioned=SCHEDULES.get(self._plan.name).versioned,
-                track_memory=self._track_memory,
-            )
-        self._balance = split
-
-    def _join_replicas(self, parts: dict[int, nn.Sequential]) -> None:
-        """Check the replicas agree on the pipeline's shape, then copy the first's weights
-        (before the 2BW weight versions are taken from them)."""
-        assert self._replicas is not None
         name = zlib.crc32(self._plan.name.encode())
         shape = [self._rank, self._plan.num_ranks, self._d, self._m, name, int(self._recompute)]
-        self._replicas.join(dict(parts), shape)
+        self._stages = build_stages(
+            self._module, split, self.stages, device=self._device, seed=self._seed,
+            init=self._init, replicas=self._replicas, shape=shape,
+            make_stage=lambda s, part: Stage(
+                s, part, last=s == self._d - 1, loss_fn=self._loss_fn,
+                optimizer=self._optimizer, num_microbatches=self._m,
+                versioned=SCHEDULES.get(self._plan.name).versioned,
+                track_memory=self._track_memory,
+            ),
+        )  # fmt: skip
+        self._balance = split
 
     def _take(self, batches: Iterator[Any]) -> Batch:
         batch = take_batch(batches, self._next_batch, self._m)

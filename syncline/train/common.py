@@ -17,6 +17,8 @@ from torch import nn
 
 from syncline.data.registry import build_dataset as build_registered_dataset
 from syncline.dp.compression import Compressor
+from syncline.errors import ConfigError
+from syncline.models.meta_init import LayerInit, materialize
 from syncline.registry import resolve
 from syncline.train.config import TrainConfig
 
@@ -30,11 +32,36 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def build_model_for(cfg: TrainConfig) -> nn.Module:
-    """The configured model (from its registry entry), initialised from ``cfg.seed``."""
-    torch.manual_seed(cfg.seed)
-    model: nn.Module = resolve(cfg.model_spec.build)(cfg.model_config())
+def build_model_for(cfg: TrainConfig, *, meta: bool = False) -> nn.Module:
+    """The configured model (from its registry entry), initialised from ``cfg.seed``.
+
+    A model with a per-layer initialiser (:func:`layer_init_for`; the built-in ones) is
+    built on the meta device; ``meta`` leaves it there (a pipeline materialises only its
+    stages), otherwise it is materialised here layer by layer from the same per-layer seeds,
+    so every parallel layout starts from the same weights. Without one, the builder runs
+    after ``torch.manual_seed(cfg.seed)`` and ``meta`` is ignored.
+    """
+    build = resolve(cfg.model_spec.build)
+    init = layer_init_for(cfg)
+    if init is None:
+        torch.manual_seed(cfg.seed)
+        return build(cfg.model_config())
+    with torch.device("meta"):
+        model: nn.Module = build(cfg.model_config())
+    if not meta:
+        if not isinstance(model, nn.Sequential):
+            raise ConfigError(
+                f"model {cfg.model!r} has a per-layer init but built a "
+                f"{type(model).__name__}; valid: an nn.Sequential (its layers are initialised)"
+            )
+        materialize(model, seed=cfg.seed, init=init)
     return model
+
+
+def layer_init_for(cfg: TrainConfig) -> LayerInit | None:
+    """The model's per-layer initialiser for ``cfg``'s shape, if its registry entry has one."""
+    spec = cfg.model_spec
+    return None if spec.init is None else resolve(spec.init)(cfg.model_config())
 
 
 def build_dataset(cfg: TrainConfig) -> tuple[Any, int]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import resource
 import time
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -37,6 +38,7 @@ from syncline.train.common import (
     build_dataset,
     build_model_for,
     fail_if_injected,
+    layer_init_for,
     lr_at,
     make_optimizer,
     set_lr,
@@ -101,6 +103,8 @@ def build_pipeline(
         timeout_s=cfg.timeout_s,
         device=device,
         track_memory=True,  # the run summary reports each stage's measured memory
+        init=layer_init_for(cfg),
+        seed=cfg.seed,
     )
 
 
@@ -112,7 +116,7 @@ def train_pipeline(
     ``attempt``: torchrun's restart count; a restarted attempt, like ``--resume``, continues
     from the newest checkpoint (cut into the same stages)."""
     replicas = cfg.pipeline_replicas
-    model = build_model_for(cfg).to(device)
+    model = build_model_for(cfg, meta=True)  # each rank materialises its stages only
     if not isinstance(model, nn.Sequential):
         raise ConfigError(
             f"model {cfg.model!r} built a {type(model).__name__}; a pipeline cuts an "
@@ -255,6 +259,9 @@ def _rank_results(pipe: Pipeline, trace_from: float, *, weights: bool) -> dict[s
     replica 0 sends them, the other replicas hold the same), memory, and the actions run
     from ``trace_from`` on (``perf_counter`` time: every action of the last calls, whatever
     batch it belongs to, so that 2BW's overlap and the final flush are seen)."""
+    # peak resident memory of this process so far, before anything is copied for rank 0
+    # (Linux reports KiB)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     events = [e for evs in pipe.trace(origin=0.0).events.values() for e in evs]
     optimizers = zip(pipe.stages, pipe.optimizers, strict=True) if weights else ()
     state = pipe.local_state_dict() if weights else {}
@@ -264,6 +271,7 @@ def _rank_results(pipe: Pipeline, trace_from: float, *, weights: bool) -> dict[s
         "memory": {s: asdict(m) for s, m in pipe.memory_stats().items()},
         "balance": pipe.balance,
         "events": [e for e in events if e.start >= trace_from],
+        "peak_rss_bytes": rss,
     }
 
 
@@ -374,6 +382,7 @@ def _finish(
         memory=memory,
         traced_steps=[first, cfg.steps - 1],
         traced_bubble_fraction=bubble_fraction(timeline),
+        peak_rss_bytes_per_rank=[r["peak_rss_bytes"] for r in gathered],
         traced_idle_per_rank={str(r): f for r, f in timeline.idle_fractions().items()},
         checkpoint=str(ckpt),
     )

@@ -1,0 +1,81 @@
+"""Build this rank's stages: agree on the split, cut the model, materialise the stage's
+layers, join the replicas.
+
+The split is given, or profiled on rank 0 (forward + backward time per layer on the first
+micro-batch) and broadcast, so every rank cuts alike (with replicas, the first pipeline's
+profile wins). A model built on the meta device is profiled one layer at a time (each a
+throw-away real copy, :func:`~syncline.models.meta_init.materialized_copy`), and each rank
+then materialises only its own stages' layers from per-layer seeds, so no rank ever holds
+the whole model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from syncline import comm
+from syncline.models.meta_init import LayerInit, materialize_layers, materialized_copy
+from syncline.partition import balance as balance_costs
+from syncline.partition import check_balance, stage_bounds
+from syncline.pipeline.profile import profile_layers
+from syncline.pipeline.replicas import StageReplicas
+from syncline.pipeline.split import stage_modules
+from syncline.pipeline.stage import Stage
+
+
+def profiled_split(
+    module: nn.Sequential,
+    sample: torch.Tensor,
+    num_stages: int,
+    *,
+    rank: int,
+    group: comm.Group,
+    replicas: StageReplicas | None,
+    timeout_s: float,
+    seed: int,
+    init: LayerInit | None,
+) -> list[int]:
+    """Rank 0 profiles the layers on ``sample`` (a micro-batch of stage 0's input, on the
+    device the stages run on) and broadcasts the balanced split, which every rank returns."""
+    split = torch.zeros(num_stages, dtype=torch.int64)
+    if rank == 0:
+
+        def real(index: int, layer: nn.Module) -> nn.Module:
+            return materialized_copy(layer, index, device=sample.device, seed=seed, init=init)
+
+        profile = profile_layers(module, sample, prepare=real)
+        split = torch.tensor(balance_costs(profile.seconds, num_stages), dtype=torch.int64)
+    what = "broadcast of the profiled balance"
+    comm.broadcast_tensors_async([split], src=0, group=group, what=what, timeout_s=timeout_s).wait()
+    if replicas is not None:  # each pipeline profiled its own: take the first's
+        replicas.agree(split, what)
+    return check_balance([int(v) for v in split.tolist()], len(module), num_stages)
+
+
+def build_stages(
+    module: nn.Sequential,
+    split: Sequence[int],
+    stages: Sequence[int],
+    *,
+    device: torch.device,
+    seed: int,
+    init: LayerInit | None,
+    replicas: StageReplicas | None,
+    shape: Sequence[int],
+    make_stage: Callable[[int, nn.Sequential], Stage],
+) -> dict[int, Stage]:
+    """This rank's ``stages`` of ``module`` cut by ``split``: layers on the meta device are
+    materialised on ``device`` (layer ``i`` from ``layer_seed(seed, i)``); with replicas,
+    after checking that they agree on the pipeline's ``shape``, every replica takes the
+    first one's weights (before 2BW's weight versions are taken from them)."""
+    parts = stage_modules(module, split, stages)
+    bounds = stage_bounds(split)
+    for s, part in parts.items():
+        layers = [(bounds[s][0] + j, layer) for j, layer in enumerate(part)]
+        materialize_layers(layers, device=device, seed=seed, init=init)
+    if replicas is not None:
+        replicas.join(dict(parts), shape)
+    return {s: make_stage(s, part.to(device)) for s, part in parts.items()}

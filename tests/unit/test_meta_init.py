@@ -1,0 +1,99 @@
+"""Models built on the meta device, materialised layer by layer (issue 13).
+
+Layer i gets the same values however the model is cut (a pipeline stage materialises only
+its own layers, in any order, with the caller's random state untouched), the one-process
+``materialize`` gives the same full model, and an initialiser that leaves a tensor unset is
+refused rather than training on uninitialised memory.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from syncline.errors import ConfigError
+from syncline.models import GPTConfig, build_gpt, gpt_layer_init, materialize, materialize_layers
+from syncline.partition import stage_bounds
+
+CFG = GPTConfig(n_layer=4, n_embd=32, n_head=2, block_size=16)
+
+
+def _meta_gpt() -> nn.Sequential:
+    with torch.device("meta"):
+        return build_gpt(CFG)
+
+
+@pytest.mark.parametrize("split", [[6], [3, 3], [1, 2, 2, 1], [2, 1, 1, 2]])
+def test_each_layer_gets_the_same_values_whatever_the_split(split) -> None:
+    whole = materialize(_meta_gpt(), seed=7, init=gpt_layer_init(CFG))
+    model = _meta_gpt()
+    torch.manual_seed(123)
+    before = torch.rand(3)
+    for lo, hi in reversed(stage_bounds(split)):  # stages in any order, each on its own
+        layers = [(i, model[i]) for i in range(lo, hi)]
+        materialize_layers(layers, device=torch.device("cpu"), seed=7, init=gpt_layer_init(CFG))
+    torch.manual_seed(123)
+    assert torch.equal(torch.rand(3), before)  # the caller's random state is untouched
+    got, want = model.state_dict(), whole.state_dict()
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+def test_initialisation_follows_the_seed_and_the_models_own_rule() -> None:
+    a = materialize(_meta_gpt(), seed=0, init=gpt_layer_init(CFG))
+    b = materialize(_meta_gpt(), seed=1, init=gpt_layer_init(CFG))
+    assert not torch.equal(a[1].attn.c_attn.weight, b[1].attn.c_attn.weight)
+    # nanoGPT's init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer)
+    assert a[1].attn.c_attn.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    assert a[1].attn.c_proj.weight.std().item() == pytest.approx(0.02 / 8**0.5, rel=0.15)
+    assert torch.equal(a[1].ln_1.weight, torch.ones(32))
+    # two blocks are not copies of each other (each layer has its own seed)
+    assert not torch.equal(a[1].mlp.c_fc.weight, a[2].mlp.c_fc.weight)
+
+
+class _WithMask(nn.Module):
+    """A layer with a buffer its ``reset_parameters`` does not set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+def test_an_initialiser_that_leaves_a_tensor_unset_is_refused() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), _WithMask())
+    with pytest.raises(ConfigError, match=r"layer 1 \(_WithMask\).*\['scale'\] unset"):
+        materialize(model)
+
+    def init(index: int, layer: nn.Module) -> None:
+        for m in layer.modules():
+            if isinstance(m, nn.Linear):
+                m.reset_parameters()
+            if isinstance(m, _WithMask):
+                m.scale.fill_(1.0)
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), _WithMask())
+    materialize(model, init=init)
+    assert torch.equal(model[1].scale, torch.ones(4))
+
+
+def test_a_layer_half_on_the_meta_device_is_refused() -> None:
+    layer = nn.Linear(4, 4)
+    layer.bias = nn.Parameter(torch.empty(4, device="meta"))
+    with pytest.raises(ConfigError, match="both on the meta device and off it"):
+        materialize(nn.Sequential(layer))
+
+
+def test_layers_built_for_real_keep_their_values() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4))
+    before = model[0].weight.clone()
+    materialize(model, seed=5)
+    assert torch.equal(model[0].weight, before)
