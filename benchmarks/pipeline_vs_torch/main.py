@@ -1,21 +1,25 @@
 """syncline pipelines vs torch.distributed.pipelining: same GPT, stages, micro-batches, data.
 
-One run (``syncline.testing.run_ranks``, gloo, one process per stage) trains a copy of the
-model with each engine in alternating segments (the order reverses every pair, so drift
-favours none; two copies of each engine, built in opposite orders, take turns):
-torch's ``PipelineStage`` with ``ScheduleGPipe`` and ``Schedule1F1B``, and
-syncline's ``Pipeline`` with ``gpipe``, ``1f1b`` and ``2bw``, all with default settings.
-Each engine has its own process group. Segments of several steps, not single steps, are
-timed, because 2BW's gain is that a step starts the next batch before the last one ends,
-which a barrier between steps would undo. Reported: the median samples/s of each engine;
-the ratios syncline-1f1b / torch-1f1b, syncline-gpipe / torch-gpipe and 2bw / syncline-1f1b,
-each as a ratio of medians and as the median of the per-segment ratios (the two segments
-compared ran next to each other); each engine's first loss (all must agree: same weights,
-same batch); and, from separate untimed pipelines with ``track_memory=True`` (saved-tensor
-hooks, which cost time), syncline's measured per-stage memory (stashed activations, weight
-versions).
+By default (``--processes separate``) each engine runs in processes of its own, as a user
+runs it: per round, every engine in turn (the order reverses every round) is started on
+fresh ranks (``syncline.testing.run_ranks``, gloo, one process per stage), warmed up, and
+timed over ``--segments`` segments of ``--steps`` steps (median segment); reported are the
+median samples/s per engine and, for each ratio, the median of the per-round ratios.
 
-    python -m benchmarks.pipeline_vs_torch --pairs 5 --steps 10 \\
+The engines: torch's ``PipelineStage`` with ``ScheduleGPipe`` and ``Schedule1F1B``, and
+syncline's ``Pipeline`` with ``gpipe``, ``1f1b`` and ``2bw``, all with default settings.
+Segments of several steps, not single steps, are timed, because 2BW's gain is that a step
+starts the next batch before the last one ends, which a barrier between steps would undo.
+Each engine's first loss is reported too (all must agree: same weights, same batch).
+
+With ``--processes shared``, one run trains a copy of the model with each engine in
+alternating segments in the same processes (the order reverses every pair, so drift
+favours none; two copies of each engine, built in opposite orders, take turns; each engine
+has its own process group); the ratios are of medians and medians of the per-segment
+ratios, and separate untimed pipelines with ``track_memory=True`` (saved-tensor hooks,
+which cost time) report syncline's measured per-stage memory.
+
+    python -m benchmarks.pipeline_vs_torch --pairs 5 --steps 10 --micro 8 \\
         --out benchmarks/results/pipeline_vs_torch.json
 """
 
@@ -147,6 +151,48 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     return {"seconds": seconds, "first_loss": first, "memory": memory}
 
 
+def _alone(rank: int, world: int, name: str, args: argparse.Namespace) -> dict:
+    """One engine in processes of its own: warm-up, then ``args.segments`` timed segments."""
+    engine = _engine(name, rank, world, args)
+    stream = iter(_batches(args, (args.segments + 1) * args.steps + 2))
+    first = engine.train_step(stream)
+    for _ in range(args.steps - 1):  # warm-up
+        engine.train_step(stream)
+    seconds = []
+    for _ in range(args.segments):
+        comm.barrier(what=f"{name} segment start")
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            engine.train_step(stream)
+        comm.barrier(what=f"{name} segment end")
+        seconds.append(time.perf_counter() - t0)
+    return {"seconds": seconds, "first_loss": first}
+
+
+def _separate(args: argparse.Namespace) -> dict:
+    """Each engine in its own processes, as a user runs it; rounds take turns (ABBA)."""
+    samples = args.steps * args.batch
+    per_round: dict[str, list[float]] = {n: [] for n in ENGINES}
+    first: dict[str, float] = {}
+    for turn in range(args.pairs):
+        for n in abba(ENGINES, turn):
+            results = run_ranks(_alone, args.ranks, n, args, timeout_s=3600)
+            segments = [max(r["seconds"][i] for r in results) for i in range(args.segments)]
+            per_round[n].append(samples / statistics.median(segments))
+            first[n] = results[-1]["first_loss"]
+            print(f"round {turn} {n}: {per_round[n][-1]:.1f} samples/s", flush=True)
+    return {
+        "samples_per_s": {n: statistics.median(v) for n, v in per_round.items()},
+        "per_round_samples_per_s": per_round,
+        "ratios": {k: ratio_of_medians(per_round[a], per_round[b]) for k, (a, b) in RATIOS.items()},
+        "median_round_ratios": {
+            k: statistics.median(paired_ratios(per_round[a], per_round[b]))
+            for k, (a, b) in RATIOS.items()
+        },
+        "first_loss": first,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.pipeline_vs_torch", description=(__doc__ or "").splitlines()[0]
@@ -161,11 +207,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10, help="steps per timed segment")
     p.add_argument("--pairs", type=int, default=3, help="ABBA pairs of segments")
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument(
+        "--processes",
+        choices=("separate", "shared"),
+        default="separate",
+        help="separate: each engine in its own processes, rounds taking turns (as a user "
+        "runs them); shared: every engine in the same processes, segments taking turns",
+    )
+    p.add_argument("--segments", type=int, default=3, help="timed segments per round (separate)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     layers = args.layers + 2  # embedding, blocks, head
     per = [layers // args.ranks + (1 if r < layers % args.ranks else 0) for r in range(args.ranks)]
     args.balance = per
+    if args.processes == "separate":
+        report = {"config": {k: v for k, v in vars(args).items() if k != "out"}}
+        report.update(_separate(args))
+        if args.out is not None:
+            write_json(args.out, report, indent=2)
+        print(json.dumps(report, indent=2, default=str))
+        return 0
     results = run_ranks(_rank, args.ranks, args, timeout_s=3600)
     samples = args.steps * args.batch
     per_segment = {

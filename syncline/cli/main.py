@@ -161,6 +161,8 @@ def _resumed_values(given: dict[str, object]) -> dict[str, object]:
     for key, value in given.items():
         if key in _MAY_CHANGE_ON_RESUME:
             continue
+        if key == "run_dir" and Path(str(value)).resolve() == run.resolve():
+            continue  # the run continues where it lies, also after the directory moved
         mine = TrainConfig.from_dict({**stored, key: value}).to_dict()[key]
         if mine != stored.get(key):
             raise ConfigError(

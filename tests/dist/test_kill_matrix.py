@@ -90,14 +90,7 @@ def test_a_rank_killed_mid_step_stops_the_job_cleanly(tmp_path, allreduce, phase
     # checkpoint phase, after writing its part but before the manifest and the rename)
     assert published == ["step-00000002"], published
     _assert_intact(run / "checkpoints" / "step-00000002")
-
-
-def test_the_checkpoint_before_a_kill_resumes(tmp_path) -> None:
-    """After a rank died while step 4's checkpoint was being written, ``--resume`` continues
-    from step 2's and completes (its partial directory is never read)."""
-    run = tmp_path / "run"
-    code, text, _ = _run(run, "flat", "--inject-failure", "1:3:checkpoint")
-    assert code == 1, text[-3000:]
-    code, text, _ = _run(run, "flat", "--resume", str(run))
-    assert code == 0, text[-3000:]
-    assert "(step 2)" in text
+    if (allreduce, phase) == ("flat", "checkpoint"):
+        # it loads: --resume continues from step 2 (the partial directory is never read)
+        code, text, _ = _run(run, allreduce, "--resume", str(run))
+        assert code == 0 and "(step 2)" in text, text[-3000:]
