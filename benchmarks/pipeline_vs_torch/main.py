@@ -1,10 +1,11 @@
 """syncline pipelines vs torch.distributed.pipelining: same GPT, stages, micro-batches, data.
 
 By default (``--processes separate``) each engine runs in processes of its own, as a user
-runs it: per round, every engine in turn (the order reverses every round) is started on
-fresh ranks (``syncline.testing.run_ranks``, gloo, one process per stage), warmed up, and
-timed over ``--segments`` segments of ``--steps`` steps (median segment); reported are the
-median samples/s per engine and, for each ratio, the median of the per-round ratios.
+runs it: every engine's ranks (``syncline.testing.run_ranks``, gloo, one process per stage)
+start at once, warm up, and then take turns (:mod:`syncline.testing.turns`): per turn, each
+engine times one segment of ``--steps`` steps while the others sleep, the order reversing
+every turn; reported are the median samples/s per engine and, for each ratio, the median
+of the per-turn ratios (``--pairs`` turns).
 
 The engines: torch's ``PipelineStage`` with ``ScheduleGPipe`` and ``Schedule1F1B``, and
 syncline's ``Pipeline`` with ``gpipe``, ``1f1b`` and ``2bw``, all with default settings.
@@ -43,6 +44,7 @@ from syncline.partition import stage_bounds
 from syncline.pipeline import Pipeline
 from syncline.testing import run_ranks
 from syncline.testing.bench import abba, paired_ratios, ratio_of_medians, write_json
+from syncline.testing.turns import Baton, run_in_turns
 
 ENGINES = ("torch-gpipe", "torch-1f1b", "syncline-gpipe", "syncline-1f1b", "syncline-2bw")
 RATIOS = {
@@ -151,15 +153,15 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     return {"seconds": seconds, "first_loss": first, "memory": memory}
 
 
-def _alone(rank: int, world: int, name: str, args: argparse.Namespace) -> dict:
-    """One engine in processes of its own: warm-up, then ``args.segments`` timed segments."""
+def _alone(rank: int, world: int, name: str, baton: Baton, args: argparse.Namespace) -> dict:
+    """One engine in processes of its own: warm-up, then one timed segment per turn."""
     engine = _engine(name, rank, world, args)
-    stream = iter(_batches(args, (args.segments + 1) * args.steps + 2))
+    stream = iter(_batches(args, (args.pairs + 1) * args.steps + 2))
     first = engine.train_step(stream)
     for _ in range(args.steps - 1):  # warm-up
         engine.train_step(stream)
     seconds = []
-    for _ in range(args.segments):
+    for _ in baton.turns(name, rank):
         comm.barrier(what=f"{name} segment start")
         t0 = time.perf_counter()
         for _ in range(args.steps):
@@ -170,26 +172,25 @@ def _alone(rank: int, world: int, name: str, args: argparse.Namespace) -> dict:
 
 
 def _separate(args: argparse.Namespace) -> dict:
-    """Each engine in its own processes, as a user runs it; rounds take turns (ABBA)."""
+    """Each engine in its own processes, as a user runs it, all started at once and taking
+    turns (:mod:`syncline.testing.turns`): one segment each per turn, ABBA order."""
+    results = run_in_turns(
+        _alone, ENGINES, world=args.ranks, turns=args.pairs, args=(args,), timeout_s=3600
+    )
     samples = args.steps * args.batch
-    per_round: dict[str, list[float]] = {n: [] for n in ENGINES}
-    first: dict[str, float] = {}
-    for turn in range(args.pairs):
-        for n in abba(ENGINES, turn):
-            results = run_ranks(_alone, args.ranks, n, args, timeout_s=3600)
-            segments = [max(r["seconds"][i] for r in results) for i in range(args.segments)]
-            per_round[n].append(samples / statistics.median(segments))
-            first[n] = results[-1]["first_loss"]
-            print(f"round {turn} {n}: {per_round[n][-1]:.1f} samples/s", flush=True)
+    per_turn = {
+        n: [samples / max(r["seconds"][i] for r in results[n]) for i in range(args.pairs)]
+        for n in ENGINES
+    }
     return {
-        "samples_per_s": {n: statistics.median(v) for n, v in per_round.items()},
-        "per_round_samples_per_s": per_round,
-        "ratios": {k: ratio_of_medians(per_round[a], per_round[b]) for k, (a, b) in RATIOS.items()},
-        "median_round_ratios": {
-            k: statistics.median(paired_ratios(per_round[a], per_round[b]))
+        "samples_per_s": {n: statistics.median(v) for n, v in per_turn.items()},
+        "per_turn_samples_per_s": per_turn,
+        "ratios": {k: ratio_of_medians(per_turn[a], per_turn[b]) for k, (a, b) in RATIOS.items()},
+        "median_turn_ratios": {
+            k: statistics.median(paired_ratios(per_turn[a], per_turn[b]))
             for k, (a, b) in RATIOS.items()
         },
-        "first_loss": first,
+        "first_loss": {n: results[n][-1]["first_loss"] for n in ENGINES},
     }
 
 
@@ -214,7 +215,6 @@ def main(argv: list[str] | None = None) -> int:
         help="separate: each engine in its own processes, rounds taking turns (as a user "
         "runs them); shared: every engine in the same processes, segments taking turns",
     )
-    p.add_argument("--segments", type=int, default=3, help="timed segments per round (separate)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     layers = args.layers + 2  # embedding, blocks, head
