@@ -265,3 +265,20 @@ def test_a_pipeline_checkpoint_reshards_onto_4_stages_and_onto_data_parallelism(
         assert got.keys() == want.keys()
         for k in want:
             assert torch.allclose(got[k], want[k], rtol=0, atol=1e-5), (name, k)
+
+
+def test_a_data_parallel_checkpoint_reshards_onto_a_pipeline(tmp_path, uninterrupted) -> None:
+    """The other direction: data parallelism's checkpoint of step 4 (the uninterrupted dense
+    run, its step-6 checkpoint removed) continued as a 2-stage 1F1B pipeline ends where the
+    uninterrupted data-parallel run ends, up to floating-point reassociation."""
+    ref = uninterrupted["dense"]
+    run = tmp_path / "run"
+    shutil.copytree(ref["dir"], run)
+    shutil.rmtree(run / "checkpoints" / "step-00000006")
+    res = syncline("train", "--resume", str(run), "--pipeline-stages", "2", "--schedule", "1f1b")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "(step 4, resharded" in res.stdout, res.stdout[-2000:]
+    got, want = _final(run)["model"], ref["model"]
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.allclose(got[k], want[k], rtol=0, atol=1e-5), k
