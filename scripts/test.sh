@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/env.sh
-echo "== ruff check"; .venv/bin/ruff check syncline tests benchmarks
-echo "== ruff format --check"; .venv/bin/ruff format --check syncline tests benchmarks
+echo "== ruff check"; .venv/bin/ruff check syncline tests benchmarks examples
+echo "== ruff format --check"; .venv/bin/ruff format --check syncline tests benchmarks examples
 echo "== mypy"; .venv/bin/mypy
 echo "== pytest"; .venv/bin/python -m pytest "$@"

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from syncline import comm
+from syncline.errors import ConfigError
 from syncline.models.meta_init import LayerInit, materialize_layers, materialized_copy
 from syncline.partition import balance as balance_costs
 from syncline.partition import check_balance, stage_bounds
@@ -24,6 +25,8 @@ from syncline.pipeline.profile import profile_layers
 from syncline.pipeline.replicas import StageReplicas
 from syncline.pipeline.split import stage_modules
 from syncline.pipeline.stage import Stage
+from syncline.pipeline.trace import TracedModel, trace_model
+from syncline.pipeline.traced_stage import traced_stages
 
 
 def profiled_split(
@@ -79,3 +82,33 @@ def build_stages(
     if replicas is not None:
         replicas.join(dict(parts), shape)
     return {s: make_stage(s, part.to(device)) for s, part in parts.items()}
+
+
+def build_traced_stages(
+    module: nn.Module,
+    split_points: Sequence[str],
+    example: object,
+    stages: Sequence[int],
+    *,
+    device: torch.device,
+    replicas: StageReplicas | None,
+    shape: Sequence[int],
+    make_stage: Callable[[int, nn.Module], Stage],
+) -> tuple[TracedModel, dict[int, Stage]]:
+    """``module`` split at ``split_points`` on ``example`` (one micro-batch, a dict of the
+    model's inputs) and this rank's ``stages`` of it (:mod:`syncline.pipeline.traced_stage`)
+    on ``device``; with replicas, the first one's weights (as :func:`build_stages`).
+
+    Raises:
+        ConfigError: ``example`` is not a dict, or the trace fails (see ``trace_model``).
+    """
+    if not isinstance(example, dict):
+        raise ConfigError(
+            "a pipeline with split_points takes batches (inputs, targets) whose inputs are a "
+            f"dict of the model's arguments, got {type(example).__name__}"
+        )
+    traced = trace_model(module, split_points, example)
+    parts = {s: m.to(device) for s, m in traced_stages(traced, stages).items()}
+    if replicas is not None:
+        replicas.join(dict(parts), shape)
+    return traced, {s: make_stage(s, part) for s, part in parts.items()}

@@ -15,21 +15,56 @@ from syncline.pipeline.config import PipelineConfig
 from syncline.pipeline.links import max_tag
 
 
-def check_args(module: object, config: PipelineConfig) -> None:
+def check_args(
+    module: object, config: PipelineConfig, split_points: list[str] | None = None
+) -> None:
     """The checks of the module against the (self-validated) config that need no process
     group, each naming the value (the plan checks the sizes against the group)."""
-    if not isinstance(module, nn.Sequential):
-        raise ConfigError(f"module is a {type(module).__name__}; valid: an nn.Sequential of layers")
     d, m = config.num_stages, config.num_microbatches
-    if d > len(module):
+    if split_points is not None:
+        _check_split_points(module, config, split_points)
+    elif not isinstance(module, nn.Sequential):
         raise ConfigError(
-            f"num_stages={d} is more than the module's {len(module)} layers; "
-            f"valid: num_stages <= {len(module)}"
+            f"module is a {type(module).__name__}; valid: an nn.Sequential of layers, or any "
+            "model with split_points=[module names] (e.g. ['transformer.h.6'])"
         )
-    if config.balance is not None:
-        check_balance(list(config.balance), len(module), d)
+    else:
+        if d > len(module):
+            raise ConfigError(
+                f"num_stages={d} is more than the module's {len(module)} layers; "
+                f"valid: num_stages <= {len(module)}"
+            )
+        if config.balance is not None:
+            check_balance(list(config.balance), len(module), d)
     if max_tag(d, m) > MAX_TAG:
         raise ConfigError(f"num_stages * num_microbatches={d * m} is too large for message tags")
+
+
+def _check_split_points(module: object, config: PipelineConfig, points: list[str]) -> None:
+    if not isinstance(module, nn.Module):
+        raise ConfigError(f"module is a {type(module).__name__}; valid: an nn.Module")
+    if config.num_stages != len(points) + 1:
+        raise ConfigError(
+            f"num_stages={config.num_stages} but split_points={points} cut the model into "
+            f"{len(points) + 1} stages; valid: num_stages = len(split_points) + 1"
+        )
+    if config.balance is not None:
+        raise ConfigError(
+            f"balance={list(config.balance)} with split_points: the split points already "
+            "say where the stages begin; pass one of them"
+        )
+    names = dict(module.named_modules())
+    unknown = [p for p in points if not p or p not in names]
+    if unknown or len(set(points)) != len(points):
+        raise ConfigError(
+            f"split_points={points}: {unknown or 'repeated names'}; valid: distinct names "
+            f"from model.named_modules(), e.g. {[n for n in names if n][:4]}"
+        )
+    if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+        raise ConfigError(
+            "a model on the meta device cannot be traced at split_points yet; materialise it "
+            "first, or use an nn.Sequential with init= (stage-only materialisation)"
+        )
 
 
 def check_callables(loss_fn: object, optimizer: object) -> None:

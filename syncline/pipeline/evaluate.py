@@ -26,8 +26,10 @@ from torch import nn
 
 from syncline.comm.collectives import Pending
 from syncline.comm.p2p import PointToPoint
+from syncline.pipeline.batches import Inputs, to_device
 from syncline.pipeline.links import max_tag
 from syncline.pipeline.replicas import StageReplicas
+from syncline.pipeline.stage import Stage
 from syncline.schedule import Schedule
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -54,7 +56,7 @@ class ForwardOnly:
     Args:
         p2p: the point-to-point layer over the pipeline's group.
         schedule: the training schedule, for the rank of each stage.
-        modules: this rank's stage modules by stage.
+        stages: this rank's stages by stage number.
         num_microbatches: m, for the tags (a pass takes at most m micro-batches).
         device: where the stages run.
         step: the pass's number (its tags, and errors).
@@ -66,14 +68,14 @@ class ForwardOnly:
         self,
         p2p: PointToPoint,
         schedule: Schedule,
-        modules: Mapping[int, nn.Module],
+        stages: Mapping[int, Stage],
         num_microbatches: int,
         device: torch.device,
         step: int,
         loss_fn: LossFn,
         replicas: StageReplicas | None,
     ) -> None:
-        self._p2p, self._schedule, self._modules = p2p, schedule, modules
+        self._p2p, self._schedule, self._stages = p2p, schedule, stages
         self._d, self._m = schedule.num_stages, num_microbatches
         self._device, self._step = device, step
         self._loss_fn, self._replicas = loss_fn, replicas
@@ -85,7 +87,7 @@ class ForwardOnly:
         passes alternate over four tag sets, as training's batches do."""
         return self._base + ((self._step % 4) * (self._d + 1) + edge) * self._m + microbatch
 
-    def loss(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> float:
+    def loss(self, inputs: Sequence[Inputs], targets: Sequence[torch.Tensor]) -> float:
         """The batch's mean loss on every rank (micro-batches of equal size)."""
         outputs = self._run(inputs)
         value = None
@@ -100,27 +102,29 @@ class ForwardOnly:
                 self._replicas.average_loss(value, self._step)
         return float(self._share(value).item())
 
-    def outputs(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    def outputs(self, inputs: Sequence[Inputs]) -> torch.Tensor:
         """The last stage's outputs, concatenated, on every rank."""
         outputs = self._run(inputs)
         return self._share(torch.cat(outputs) if outputs else None)
 
-    def _run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def _run(self, inputs: Sequence[Inputs]) -> list[torch.Tensor]:
         """The last stage's outputs of ``inputs`` on the last stage's rank, else ``[]``."""
         if len(inputs) > self._m:
             raise ValueError(f"{len(inputs)} micro-batches, more than m={self._m}")
         sends: list[Pending] = []
         outputs: list[torch.Tensor] = []
-        with evaluating(list(self._modules.values())):
-            for s in sorted(self._modules):
-                for mb, x in enumerate(inputs):
+        with evaluating([stage.module for stage in self._stages.values()]):
+            for s in sorted(self._stages):
+                stage = self._stages[s]
+                for mb, part in enumerate(inputs):
                     where = f"stage {s}, mb {mb} of evaluation pass {self._step}"
+                    local = to_device(part, self._device) if stage.traced or s == 0 else None
                     if s == 0:
-                        x = x.to(self._device)
+                        x = None if stage.traced else local
                     else:
                         src = self._schedule.rank_of(s - 1)
                         x = self._p2p.recv(src, tag=self.tag(s - 1, mb), what=f"input of {where}")
-                    out = self._modules[s](x)
+                    out = stage.infer(x, local if stage.traced else None)  # type: ignore[arg-type]
                     if s == self._d - 1:
                         outputs.append(out)
                         continue

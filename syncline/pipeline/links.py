@@ -57,6 +57,12 @@ def max_tag(num_stages: int, num_microbatches: int) -> int:
     return TAG_BASE + 8 * num_stages * num_microbatches
 
 
+def tied_tag(num_stages: int, group: int, batch: int, stage: int) -> int:
+    """The tag of ``stage``'s gradient of tied weight ``group`` in ``batch``: below the
+    loss's tags, unique per (group, batch mod 4, sender)."""
+    return LOSS_TAG - 1 - ((group * 4 + batch % 4) * num_stages + stage)
+
+
 class ShapeBook:
     """The activation shape each edge sends for each input signature, as learnt so far.
 
@@ -190,8 +196,12 @@ class Links:
             self.shapes.learn(a.stage - 1, self._signature(a), like, a.batch)
         return tensor
 
-    def send(self, a: Action, tensor: torch.Tensor, call: int) -> None:
-        """Start a SEND_F or SEND_B; it is waited on by :meth:`wait_sends`."""
+    def send(
+        self, a: Action, tensor: torch.Tensor, call: int, grad_like: Like | None = None
+    ) -> None:
+        """Start a SEND_F or SEND_B; it is waited on by :meth:`wait_sends`. A SEND_F posts
+        the receive of the gradient that comes back, of shape ``grad_like`` (default: the
+        activation's)."""
         assert a.batch is not None and a.microbatch is not None
         forward = a.kind is K.SEND_F
         like = (tuple(tensor.shape), tensor.dtype)
@@ -206,10 +216,11 @@ class Links:
         self.hold(call, pending)
         self.sent["activations" if forward else "gradients"] += pending.wire_bytes
         if forward:  # the gradient comes back with this shape
+            back = like if grad_like is None else grad_like
             if self.early:
-                self._post(Action(a.stage, K.RECV_B, a.microbatch, batch=a.batch), like)
+                self._post(Action(a.stage, K.RECV_B, a.microbatch, batch=a.batch), back)
             else:
-                self._grad_like[(a.stage, a.batch, a.microbatch)] = like
+                self._grad_like[(a.stage, a.batch, a.microbatch)] = back
 
     def expect_loss(self, batch: int, src: int) -> None:
         """Post the receive of ``batch``'s loss from the last stage's rank ``src`` (gloo)."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 import zlib
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -36,16 +36,19 @@ from syncline.dp.compression import Compressor
 from syncline.errors import CommError, ConfigError
 from syncline.models.meta_init import LayerInit
 from syncline.partition import stage_bounds
-from syncline.pipeline.batches import Batch, take_batch
-from syncline.pipeline.build import build_stages, profiled_split
+from syncline.pipeline.actions import ActionHandlers
+from syncline.pipeline.batches import Batch, Inputs, split_inputs, take_batch, to_device
+from syncline.pipeline.build import build_stages, build_traced_stages, profiled_split
 from syncline.pipeline.checks import check_args, check_callables
 from syncline.pipeline.config import DEFAULT_SCHEDULE, PipelineConfig
 from syncline.pipeline.evaluate import ForwardOnly
-from syncline.pipeline.links import Links
+from syncline.pipeline.links import Links, tied_tag
 from syncline.pipeline.memory import StageMemoryStats
 from syncline.pipeline.replicas import StageReplicas, check_compression, check_groups
 from syncline.pipeline.split import full_state
 from syncline.pipeline.stage import LossFn, OptimizerFactory, Stage
+from syncline.pipeline.tied import TiedGradients
+from syncline.pipeline.trace import TracedModel
 from syncline.schedule import (
     SCHEDULES,
     Action,
@@ -64,9 +67,10 @@ class StageError(RuntimeError):
     """A stage failed while executing an action; the message names rank, step and action."""
 
 
-class Pipeline:
-    """Pipeline-parallel training of an ``nn.Sequential``: one rank per stage, optionally
-    times ``w`` data-parallel replicas of the whole pipeline.
+class Pipeline(ActionHandlers):
+    """Pipeline-parallel training of an ``nn.Sequential``, or of any model split at named
+    modules: one rank per stage, optionally times ``w`` data-parallel replicas of the whole
+    pipeline.
 
     Every rank builds the same model, on the meta device (``init``; no memory until each
     rank materialises its own stages) or whole with the same seed, and constructs the same
@@ -75,7 +79,19 @@ class Pipeline:
     version may be in use.
 
     Args:
-        module: the model, a sequence of one-tensor-to-one-tensor layers.
+        module: the model, a sequence of one-tensor-to-one-tensor layers; or, with
+            ``split_points``, any model ``torch.export`` can trace (a HuggingFace GPT-2, a
+            ResNet), called as ``module(**inputs)``.
+        split_points: module names, e.g. ``["transformer.h.6"]``, each starting a stage
+            (``num_stages = len(split_points) + 1``): the model is split there by
+            torch.distributed.pipelining's tracer (:mod:`syncline.pipeline.trace`) on the
+            first micro-batch of the first ``train_step``, on every rank. Batches are then
+            ``(inputs, targets)`` with ``inputs`` a dict of the model's arguments (an
+            attention mask reaches every stage that reads it); every micro-batch must have
+            the traced shape. Any values may cross a split (several, of any dtype);
+            weights shared across stages (GPT-2's tied embedding and head) keep a copy on
+            each stage with their gradients summed before every step
+            (:mod:`syncline.pipeline.tied`). ``balance`` and ``init`` do not apply.
         num_stages: pipeline depth; the group's size (interleaved: a multiple >= 2 of it,
             ``num_stages // size`` stages per rank).
         num_microbatches: m, micro-batches per batch (2BW: m >= num_stages).
@@ -130,7 +146,7 @@ class Pipeline:
 
     def __init__(
         self,
-        module: nn.Sequential,
+        module: nn.Module,
         *,
         num_stages: int,
         num_microbatches: int,
@@ -147,6 +163,7 @@ class Pipeline:
         compression: Compressor | None = None,
         init: LayerInit | None = None,
         seed: int = 0,
+        split_points: Sequence[str] | None = None,
     ) -> None:
         config = PipelineConfig(
             num_stages=num_stages,
@@ -156,7 +173,8 @@ class Pipeline:
             balance=tuple(balance) if isinstance(balance, list | tuple) else balance,
             timeout_s=timeout_s,
         )
-        check_args(module, config)
+        self._split_points = None if split_points is None else list(split_points)
+        check_args(module, config, self._split_points)
         check_callables(loss_fn, optimizer)
         self.config = config
         self._compression = check_compression(compression)
@@ -187,6 +205,8 @@ class Pipeline:
         self._last_rank = self._plan.schedule.rank_of(num_stages - 1)
         self._stages: dict[int, Stage] = {}
         self._balance: list[int] | None = None
+        self._traced: TracedModel | None = None  # split at split_points, once set up
+        self._tied: TiedGradients | None = None
         self._next_batch = 0  # global index of the next batch taken from the iterator
         self._evals = 0  # forward-only passes so far (they number their messages)
         self._queued: Batch | None = None  # taken, no work done yet
@@ -217,6 +237,10 @@ class Pipeline:
         if balance is not None:
             self._setup(list(balance))
 
+    @property
+    def _ready(self) -> bool:
+        return self._balance is not None or self._traced is not None
+
     # -- public ------------------------------------------------------------------------------
 
     @property
@@ -228,7 +252,8 @@ class Pipeline:
     def balance(self) -> list[int]:
         """Layers per stage (after the first ``train_step`` when it was profiled)."""
         self._require_setup()
-        assert self._balance is not None
+        if self._balance is None:
+            raise ConfigError("a pipeline split at split_points has no balance")
         return list(self._balance)
 
     @property
@@ -250,12 +275,14 @@ class Pipeline:
         copies, or with ``keep_vars`` the live tensors; tied weights under each name).
         """
         self._require_setup()
-        assert self._balance is not None
-        bounds = stage_bounds(self._balance)
         out = {}
         for s in self.stages:
-            out.update(full_state(self._stages[s].module, bounds[s][0]))
+            out.update(self._full_state(s))
         return out if keep_vars else {k: v.detach().clone() for k, v in out.items()}
+
+    def _full_state(self, s: int) -> dict[str, torch.Tensor]:
+        first = None if self._balance is None else stage_bounds(self._balance)[s][0]
+        return full_state(self._stages[s].module, first)
 
     def load_local_state_dict(self, state: dict[str, torch.Tensor], next_batch: int) -> None:
         """Resume from a checkpoint: this rank's layers take their weights and buffers from
@@ -268,22 +295,14 @@ class Pipeline:
             ConfigError: work is in flight, or ``state`` lacks one of this rank's tensors.
         """
         self._require_setup()
-        assert self._balance is not None
         if self._in_flight is not None or self._queued is not None:
             raise ConfigError("load_local_state_dict: a batch is in flight; flush() first")
         self.flush()  # 2BW: drop the older version, so that only the loaded one is held
         missing = sorted(set(self.local_state_dict(keep_vars=True)) - set(state))
         if missing:
             raise ConfigError(f"load_local_state_dict: no value for {missing[:5]}")
-        bounds = stage_bounds(self._balance)
         for s in self.stages:
-            stage = self._stages[s]
-            local = stage.module.state_dict(keep_vars=True)  # same order as full_state's
-            names = full_state(stage.module, bounds[s][0])
-            # in place: under 2BW the Parameters alias the newest version's buffers
-            stage.module.load_state_dict({k: state[n] for k, n in zip(local, names, strict=True)})
-            if stage.versions is not None:
-                stage.versions.renumber(next_batch)
+            self._stages[s].load_state(state, list(self._full_state(s)), next_batch)
         self._next_batch = next_batch
 
     @property
@@ -330,10 +349,15 @@ class Pipeline:
         in_flight = self._in_flight is not None
         current = self._in_flight or self._queued or self._take(batches)
         self._queued = None if in_flight else current  # kept if the next batch is bad
-        if self._balance is None:
+        if self._split_points is not None and self._traced is None:
+            self._setup_traced(to_device(current.inputs[0], self._device))
+        if not self._ready:
+            assert isinstance(self._module, nn.Sequential)
+            sample = current.inputs[0]
+            assert isinstance(sample, torch.Tensor)
             self._setup(
                 profiled_split(
-                    self._module, current.inputs[0].to(self._device), self._d, rank=self._rank,
+                    self._module, sample.to(self._device), self._d, rank=self._rank,
                     group=self._group, replicas=self._replicas, timeout_s=self._timeout_s,
                     seed=self._seed, init=self._init,
                 )
@@ -370,20 +394,24 @@ class Pipeline:
         replicas: averaged over them): no gradients, no weight versions or optimizer
         touched, so it may come between any two training calls (:mod:`.evaluate`)."""
         batch = take_batch(batches, self._evals, self._m)
+        self._check_inputs(batch)
         return float(self._forward_only(lambda run: run.loss(batch.inputs, batch.targets)))
 
-    def predict(self, inputs: torch.Tensor) -> torch.Tensor:
-        """The model's outputs for ``inputs`` (cut into at most m micro-batches), forward
-        only and in ``eval()`` mode, on every rank (from the last stage's rank)."""
-        return self._forward_only(lambda run: run.outputs(inputs.chunk(self._m)))
+    def predict(self, inputs: Inputs) -> torch.Tensor:
+        """The model's outputs for ``inputs`` (cut into at most m micro-batches; a traced
+        model: micro-batches of the traced shape), forward only and in ``eval()`` mode, on
+        every rank (from the last stage's rank)."""
+        first = inputs if isinstance(inputs, torch.Tensor) else next(iter(inputs.values()))
+        parts = split_inputs(inputs, -(-len(first) // self._m))
+        self._check_inputs(Batch(-1, parts, ()))
+        return self._forward_only(lambda run: run.outputs(parts))
 
     def _forward_only(self, what: Callable[[ForwardOnly], Any]) -> Any:
         self._check_usable()
         self._require_setup()
         self._evals += 1
-        modules = {s: stage.module for s, stage in self._stages.items()}
-        run = ForwardOnly(self._links.p2p, self._plan.schedule, modules, self._m, self._device,
-                          self._evals, self._loss_fn, self._replicas)  # fmt: skip
+        run = ForwardOnly(self._links.p2p, self._plan.schedule, self._stages, self._m,
+                          self._device, self._evals, self._loss_fn, self._replicas)  # fmt: skip
         try:
             return what(run)
         except CommError as exc:
@@ -415,7 +443,7 @@ class Pipeline:
     # -- setup -----------------------------------------------------------------------------
 
     def _require_setup(self) -> None:
-        if self._balance is None:
+        if not self._ready:
             raise ConfigError(
                 "balance=None: the split is profiled in the first train_step; call it first, "
                 "or pass balance=[...]"
@@ -426,22 +454,48 @@ class Pipeline:
             raise StageError(f"rank {self._rank}: pipeline stopped after a failure: {self._broken}")
 
     def _setup(self, split: list[int]) -> None:
-        name = zlib.crc32(self._plan.name.encode())
-        shape = [self._rank, self._plan.num_ranks, self._d, self._m, name, int(self._recompute)]
+        assert isinstance(self._module, nn.Sequential)
         self._stages = build_stages(
             self._module, split, self.stages, device=self._device, seed=self._seed,
-            init=self._init, replicas=self._replicas, shape=shape,
-            make_stage=lambda s, part: Stage(
-                s, part, last=s == self._d - 1, loss_fn=self._loss_fn,
-                optimizer=self._optimizer, num_microbatches=self._m,
-                versioned=SCHEDULES.get(self._plan.name).versioned,
-                track_memory=self._track_memory,
-            ),
+            init=self._init, replicas=self._replicas, shape=self._shape(),
+            make_stage=self._make_stage,
         )  # fmt: skip
         self._balance = split
 
+    def _setup_traced(self, example: Inputs) -> None:
+        """Split the model at the split points on ``example`` (one micro-batch) and build
+        this rank's stages (every rank traces: stage modules cannot be pickled)."""
+        assert self._split_points is not None
+        traced, self._stages = build_traced_stages(
+            self._module, self._split_points, example, self.stages, device=self._device,
+            replicas=self._replicas, shape=self._shape(), make_stage=self._make_stage,
+        )  # fmt: skip
+        self._tied = TiedGradients(
+            self._links.p2p, traced.tied, self._plan.schedule.rank_of,
+            lambda group, batch, stage: tied_tag(self._d, group, batch, stage),
+        )  # fmt: skip
+        self._traced = traced
+
+    def _shape(self) -> list[int]:
+        """What every replica of this rank's stages must agree on."""
+        name = zlib.crc32(self._plan.name.encode())
+        return [self._rank, self._plan.num_ranks, self._d, self._m, name, int(self._recompute)]
+
+    def _make_stage(self, s: int, part: nn.Module) -> Stage:
+        return Stage(
+            s, part, last=s == self._d - 1, loss_fn=self._loss_fn, optimizer=self._optimizer,
+            num_microbatches=self._m, versioned=SCHEDULES.get(self._plan.name).versioned,
+            track_memory=self._track_memory,
+        )  # fmt: skip
+
+    def _check_inputs(self, batch: Batch) -> None:
+        """A traced model runs only micro-batches of the traced shape (every rank checks)."""
+        if self._traced is not None:
+            self._traced.check_parts(batch.inputs)
+
     def _take(self, batches: Iterator[Any]) -> Batch:
         batch = take_batch(batches, self._next_batch, self._m)
+        self._check_inputs(batch)
         self._next_batch += 1
         return batch
 
@@ -497,57 +551,3 @@ class Pipeline:
             self._replicas.average_loss(value, batch)
         self._links.send_loss(value, batch, self._call)
         return float(value.item())
-
-    # -- action handlers -----------------------------------------------------------------------
-
-    def _signature(self, a: Action) -> tuple[tuple[int, ...], torch.dtype]:
-        """Shape and dtype of the micro-batch input behind ``a`` (known on every rank)."""
-        assert a.batch is not None and a.microbatch is not None
-        x = self._batches[a.batch].inputs[a.microbatch]
-        return tuple(x.shape), x.dtype
-
-    def _recv(self, a: Action) -> None:
-        assert a.batch is not None and a.microbatch is not None
-        self._inbox[(a.kind, a.stage, a.batch, a.microbatch)] = self._links.recv(a)
-
-    def _send(self, a: Action) -> None:
-        assert a.batch is not None and a.microbatch is not None
-        source = K.FORWARD if a.kind is K.SEND_F else K.BACKWARD
-        self._links.send(a, self._inbox.pop((source, a.stage, a.batch, a.microbatch)), self._call)
-
-    def _forward(self, a: Action) -> None:
-        assert a.batch is not None and a.microbatch is not None
-        batch, mb = self._batches[a.batch], a.microbatch
-        stage = self._stages[a.stage]
-        if stage.first:
-            x = batch.inputs[mb].to(self._device)
-        else:
-            x = self._inbox.pop((K.RECV_F, a.stage, a.batch, mb))
-        target = batch.targets[mb].to(self._device) if stage.last else None
-        out = stage.forward((a.batch, mb), x, a.version, target, recompute=self._recompute)
-        if not stage.last:
-            self._inbox[(K.FORWARD, a.stage, a.batch, mb)] = out.detach()
-
-    def _recompute_action(self, a: Action) -> None:
-        assert a.batch is not None and a.microbatch is not None
-        self._stages[a.stage].recompute((a.batch, a.microbatch))
-
-    def _backward(self, a: Action) -> None:
-        assert a.batch is not None and a.microbatch is not None
-        stage = self._stages[a.stage]
-        grad = None if stage.last else self._inbox.pop((K.RECV_B, a.stage, a.batch, a.microbatch))
-        grad_in = stage.backward((a.batch, a.microbatch), grad)
-        if grad_in is not None:
-            self._inbox[(K.BACKWARD, a.stage, a.batch, a.microbatch)] = grad_in
-
-    def _reduce(self, a: Action) -> None:
-        """Average the stage's gradient of ``a.batch`` over its replicas (nothing without)."""
-        if self._replicas is None:
-            return
-        assert a.batch is not None
-        stage = self._stages[a.stage]
-        self._replicas.reduce(a.stage, a.batch, stage.grad_holders(a.batch))
-
-    def _step(self, a: Action) -> None:
-        assert a.batch is not None
-        self._stages[a.stage].step(a.batch, a.version, before=lambda: None)

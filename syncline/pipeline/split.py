@@ -45,12 +45,16 @@ def stage_modules(
     return {s: nn.Sequential(*[module[i] for i in range(*bounds[s])]) for s in stages}
 
 
-def full_state(module: nn.Module, first_layer: int) -> dict[str, torch.Tensor]:
+def full_state(module: nn.Module, first_layer: int | None) -> dict[str, torch.Tensor]:
     """A stage's ``state_dict(keep_vars=True)`` under the full model's names: its layer ``i``
     is the model's layer ``first_layer + i`` (checkpoints and resharding key state by
-    these names, so they do not depend on the split)."""
+    these names, so they do not depend on the split). ``first_layer=None``: a traced stage,
+    whose names are the model's under ``stage.``."""
     out = {}
     for key, value in module.state_dict(keep_vars=True).items():
+        if first_layer is None:
+            out[key.removeprefix("stage.")] = value
+            continue
         index, rest = key.split(".", 1)
         out[f"{first_layer + int(index)}.{rest}"] = value
     return out

@@ -16,7 +16,7 @@ one action asks, for one stage. Micro-batches are keyed ``(batch, microbatch)``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +27,7 @@ from torch.func import functional_call
 
 from syncline.errors import ConfigError
 from syncline.pipeline.memory import StageMemoryStats, StashMeter, storage_key
+from syncline.pipeline.packets import Codec, Single
 from syncline.pipeline.versions import Tensors, WeightVersions
 
 Key = tuple[int, int]
@@ -36,10 +37,11 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 @dataclass
 class _MicroBatch:
-    input: torch.Tensor
+    received: list[torch.Tensor]  # the stage's inputs (leaves that collect their gradient)
+    inputs: Mapping[str, torch.Tensor] | None  # the model inputs (traced stages)
     version: int | None
-    target: torch.Tensor | None
-    output: torch.Tensor | None = None
+    target: Any
+    output: list[torch.Tensor] | None = None  # what the stage hands on (the last: its output)
     loss: torch.Tensor | None = None
     rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
@@ -63,12 +65,17 @@ class Stage:
         track_memory: count what autograd saves (a Python hook per saved tensor, a few
             per cent of a small model's step); without it only the stage inputs and
             outputs the pipeline holds are counted.
+
+    A stage of an ``nn.Sequential`` maps one tensor to one tensor. A stage of a traced model
+    (:class:`~syncline.pipeline.traced_stage.TracedStage`) maps the values it receives and
+    the micro-batch's model inputs to the values it hands on; its codecs say how those
+    travel (:mod:`syncline.pipeline.packets`).
     """
 
     def __init__(
         self,
         index: int,
-        module: nn.Sequential,
+        module: nn.Module,
         *,
         last: bool,
         loss_fn: LossFn,
@@ -90,6 +97,9 @@ class Stage:
                 "valid: a torch.optim.Optimizer, e.g. lambda ps: torch.optim.SGD(ps, lr=0.1)"
             )
         self.versions = WeightVersions(module, 0) if versioned else None
+        self.traced = hasattr(module, "in_codec")
+        self._in: Codec | None = getattr(module, "in_codec", Single()) if index else None
+        self._out: Codec | None = None if last else getattr(module, "out_codec", Single())
         self.meter = StashMeter()
         self.track_memory = track_memory
         self._inflight: dict[Key, _MicroBatch] = {}
@@ -107,63 +117,96 @@ class Stage:
     def _recording(self, key: Key) -> AbstractContextManager[None]:
         return self.meter.recording(key, self._weights) if self.track_memory else nullcontext()
 
+    def _call(
+        self,
+        received: list[torch.Tensor],
+        inputs: Mapping[str, torch.Tensor] | None,
+        params: Tensors | None,
+    ) -> Any:
+        args: tuple[Any, ...] = (tuple(received), inputs) if self.traced else (received[0],)
+        return self.module(*args) if params is None else functional_call(self.module, params, args)
+
     def _run(
-        self, x: torch.Tensor, params: Tensors | None, target: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out: Any = self.module(x) if params is None else functional_call(self.module, params, (x,))
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(
-                f"stage {self.index} returned {type(out).__name__}; every stage must map one "
-                "tensor to one tensor"
-            )
-        if not self.last:
-            if not out.is_floating_point():
-                raise TypeError(
-                    f"stage {self.index} output has dtype {out.dtype}; activations passed "
-                    "between stages must be floating point (they carry gradients back)"
-                )
-            return out, None
-        assert target is not None
-        return out, self._loss_fn(out, target)
+        self,
+        received: list[torch.Tensor],
+        inputs: Mapping[str, torch.Tensor] | None,
+        params: Tensors | None,
+        target: Any,
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        out = self._call(received, inputs, params)
+        if self.last:
+            if self.traced:
+                (out,) = out
+            return [out], self._loss_fn(out, target)
+        return (list(out) if self.traced else [out]), None
 
     # -- actions -------------------------------------------------------------------------
 
     def forward(
         self,
         key: Key,
-        x: torch.Tensor,
+        x: torch.Tensor | None,
         version: int | None,
-        target: torch.Tensor | None,
+        target: Any,
         *,
         recompute: bool,
-    ) -> torch.Tensor:
-        """Run the forward of micro-batch ``key``; returns the output to send on."""
+        inputs: Mapping[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor | None:
+        """Run the forward of micro-batch ``key`` on ``x`` (what the previous stage sent;
+        stage 0 of an ``nn.Sequential``: the micro-batch input) and, for a traced stage,
+        the micro-batch's model ``inputs``; returns the message to send on (last: ``None``)."""
         batch = key[0]
         known = self._batch_version.setdefault(batch, version)
         if known != version:
             raise RuntimeError(f"batch {batch} ran on v{known} and now on v{version}")
-        if not self.first and x.is_floating_point():
-            x = x.detach().requires_grad_()
+        if self._in is not None:
+            assert x is not None
+            received = self._in.unpack(x)
+        else:
+            received = [] if x is None else [x]
         params = (
             None if self.versions is None or version is None else self.versions.acquire(version)
         )
-        mb = _MicroBatch(x, version, target)
+        mb = _MicroBatch(received, inputs, version, target)
         self._inflight[key] = mb
-        self.meter.note_input(x)
+        if x is not None:
+            self.meter.note_input(x)
         if recompute:
-            mb.rng = _rng_state(x.device)
+            mb.rng = _rng_state(self._device(received, inputs))
             with torch.no_grad():
-                out, loss = self._run(x, params, target)
-            self.meter.add(key, [x])
+                out, loss = self._run(received, inputs, params, target)
+            self.meter.add(key, received)
         else:
             with self._recording(key):
-                out, loss = self._run(x, params, target)
+                out, loss = self._run(received, inputs, params, target)
             mb.output, mb.loss = out, loss
-            self.meter.add(key, [x] if self.last else [x, out])
+            self.meter.add(key, received if self.last else [*received, *out])
         if loss is not None:
             total = self._loss_sum.get(batch, torch.zeros((), dtype=torch.float64))
             self._loss_sum[batch] = total + loss.detach().to("cpu", torch.float64)
-        return out
+        return None if self._out is None else self._out.pack(out, self.index)
+
+    @staticmethod
+    def _device(
+        received: list[torch.Tensor], inputs: Mapping[str, torch.Tensor] | None
+    ) -> torch.device:
+        tensors = [*received, *(inputs or {}).values()]
+        return tensors[0].device if tensors else torch.device("cpu")
+
+    def infer(
+        self, x: torch.Tensor | None, inputs: Mapping[str, torch.Tensor] | None
+    ) -> torch.Tensor:
+        """A forward-only pass (the caller disables autograd): the message to send on, or
+        on the last stage the model's output. ``x`` and ``inputs`` as for :meth:`forward`."""
+        if self._in is not None:
+            assert x is not None
+            received = self._in.unpack(x)
+        else:
+            received = [] if x is None else [x]
+        out = self._call(received, inputs, None)
+        if self._out is None:
+            return out[0] if self.traced else out
+        return self._out.pack(list(out) if self.traced else [out], self.index)
 
     def recompute(self, key: Key) -> None:
         """Rebuild micro-batch ``key``'s activations (same weights, same RNG draws)."""
@@ -174,49 +217,63 @@ class Stage:
         if self.versions is not None and mb.version is not None:
             params = self.versions.tensors(mb.version)
         cpu, cuda = mb.rng
-        devices = [mb.input.device] if cuda is not None else []
+        device = self._device(mb.received, mb.inputs)
+        devices = [device] if cuda is not None else []
         with torch.random.fork_rng(devices=devices):
             torch.set_rng_state(cpu)
             if cuda is not None:
-                torch.cuda.set_rng_state(cuda, mb.input.device)
+                torch.cuda.set_rng_state(cuda, device)
             with self._recording(key):
-                mb.output, mb.loss = self._run(mb.input, params, mb.target)
-        self.meter.add(key, [] if self.last else [mb.output])
+                mb.output, mb.loss = self._run(mb.received, mb.inputs, params, mb.target)
+        self.meter.add(key, [] if self.last else mb.output)
 
     def backward(self, key: Key, grad_output: torch.Tensor | None) -> torch.Tensor | None:
         """Backward of micro-batch ``key``; returns its input gradient (``None`` on stage 0)."""
         mb = self._inflight.pop(key)
-        if self.last:
+        if self._out is None:
             if mb.loss is None:
                 raise RuntimeError(f"micro-batch {key} has no loss to backpropagate")
             (mb.loss / self._m).backward()
         else:
             if mb.output is None or grad_output is None:
                 raise RuntimeError(f"micro-batch {key} has no output or no received gradient")
-            if grad_output.shape != mb.output.shape:
-                raise RuntimeError(
-                    f"received gradient of shape {tuple(grad_output.shape)} for an output of "
-                    f"shape {tuple(mb.output.shape)}"
-                )
-            torch.autograd.backward(mb.output, grad_output)
+            grads = self._out.unpack_grads(grad_output)
+            pairs = [
+                (out, grad)
+                for out, grad in zip(mb.output, grads, strict=True)
+                if grad is not None and out.requires_grad
+            ]
+            for out, grad in pairs:
+                if grad.shape != out.shape:
+                    raise RuntimeError(
+                        f"received gradient of shape {tuple(grad.shape)} for an output of "
+                        f"shape {tuple(out.shape)}"
+                    )
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if self.versions is not None and mb.version is not None:
             self.versions.release(mb.version)
         self.meter.release(key)
-        if self.first:
-            return None
-        grad = mb.input.grad
-        return torch.zeros_like(mb.input) if grad is None else grad
+        return None if self._in is None else self._in.pack_grads(mb.received)
+
+    def grad_like(self, message: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of the gradient that comes back for a sent ``message``."""
+        assert self._out is not None
+        return self._out.grad_like(message)
 
     def grad_holders(self, batch: int) -> list[torch.Tensor]:
         """The trainable tensors whose ``.grad`` holds ``batch``'s accumulated gradient, in
         parameter order: the Parameters, or under 2BW the weight version the batch ran on
         (its micro-batches' backwards accumulate there, not into the newest weights; the next
         batch, on another version or still before its first backward, adds nothing yet)."""
+        return [t for t in self.named_grad_holders(batch).values() if t.requires_grad]
+
+    def named_grad_holders(self, batch: int) -> dict[str, torch.Tensor]:
+        """:meth:`grad_holders`, all of them, by the stage module's parameter names."""
         version = self._batch_version.get(batch)
         if self.versions is not None and version is not None:
-            tensors = self.versions.tensors(version).values()
-            return [t for t in tensors if t.requires_grad]
-        return [p for p in self.module.parameters() if p.requires_grad]
+            return dict(self.versions.tensors(version))
+        return dict(self.module.named_parameters())
 
     def step(self, batch: int, produces: int | None, before: Callable[[], None]) -> None:
         """The optimizer step after ``batch``'s last backward (2BW: makes ``produces``)."""
@@ -227,6 +284,15 @@ class Stage:
             self.optimizer.zero_grad(set_to_none=True)
             return
         self.versions.step(used, produces, self.optimizer, before)
+
+    def load_state(self, state: Mapping[str, torch.Tensor], names: list[str], version: int) -> None:
+        """Take the stage's weights and buffers from ``state``, where its ``state_dict`` entry
+        ``i`` is named ``names[i]``; under 2BW they become the one version, ``version``."""
+        local = self.module.state_dict(keep_vars=True)
+        # in place: under 2BW the Parameters alias the newest version's buffers
+        self.module.load_state_dict({k: state[n] for k, n in zip(local, names, strict=True)})
+        if self.versions is not None:
+            self.versions.renumber(version)
 
     def pop_loss(self, batch: int) -> float:
         """Mean loss of ``batch``'s micro-batches (last stage only)."""

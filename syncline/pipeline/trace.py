@@ -98,6 +98,16 @@ class TracedModel:
                     "(valid: batches that split into micro-batches of the traced shape)"
                 )
 
+    def check_parts(self, parts: Sequence[object]) -> None:
+        """:meth:`check_inputs` of every micro-batch (each a dict of the model's inputs)."""
+        for part in parts:
+            if not isinstance(part, Mapping):
+                raise ConfigError(
+                    f"a traced model takes its inputs as a dict by argument name, got "
+                    f"{type(part).__name__}"
+                )
+            self.check_inputs(part)
+
     def forward(self, inputs: Mapping[str, torch.Tensor]) -> Any:
         """Run the stages one after another in this process (a reference; no boundaries are
         cut, so autograd flows through the whole model)."""

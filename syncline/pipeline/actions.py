@@ -1,0 +1,104 @@
+"""What each action of a pipeline schedule does on this rank: one handler per ``ActionKind``.
+
+Kept apart from :mod:`syncline.pipeline.runtime`, which decides which actions a call runs
+and in what order (the generator's), times them and turns failures into errors naming the
+rank, step and action; a handler only does its action's work on the state the runtime
+holds (received tensors in an inbox keyed by kind, stage, batch and micro-batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from syncline.pipeline.batches import Batch, to_device
+from syncline.pipeline.links import Links
+from syncline.pipeline.replicas import StageReplicas
+from syncline.pipeline.stage import Stage
+from syncline.pipeline.tied import TiedGradients
+from syncline.schedule import Action, ActionKind
+
+K = ActionKind
+
+
+class ActionHandlers:
+    """The handlers :class:`~syncline.pipeline.runtime.Pipeline` dispatches to."""
+
+    _batches: dict[int, Batch]
+    _stages: dict[int, Stage]
+    _inbox: dict[tuple[ActionKind, int, int, int], torch.Tensor]
+    _links: Links
+    _call: int
+    _device: torch.device
+    _recompute: bool
+    _replicas: StageReplicas | None
+    _tied: TiedGradients | None
+
+    def _signature(self, a: Action) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of the micro-batch input behind ``a`` (known on every rank)."""
+        assert a.batch is not None and a.microbatch is not None
+        x = self._batches[a.batch].inputs[a.microbatch]
+        if isinstance(x, torch.Tensor):
+            return tuple(x.shape), x.dtype
+        first = next(iter(x.values()))  # traced: one shape per input, fixed by the trace
+        return tuple(first.shape), first.dtype
+
+    def _recv(self, a: Action) -> None:
+        assert a.batch is not None and a.microbatch is not None
+        self._inbox[(a.kind, a.stage, a.batch, a.microbatch)] = self._links.recv(a)
+
+    def _send(self, a: Action) -> None:
+        assert a.batch is not None and a.microbatch is not None
+        forward = a.kind is K.SEND_F
+        source = K.FORWARD if forward else K.BACKWARD
+        message = self._inbox.pop((source, a.stage, a.batch, a.microbatch))
+        grad_like = self._stages[a.stage].grad_like(message) if forward else None
+        self._links.send(a, message, self._call, grad_like)
+
+    def _forward(self, a: Action) -> None:
+        assert a.batch is not None and a.microbatch is not None
+        batch, mb = self._batches[a.batch], a.microbatch
+        stage = self._stages[a.stage]
+        received = None if stage.first else self._inbox.pop((K.RECV_F, a.stage, a.batch, mb))
+        part = to_device(batch.inputs[mb], self._device) if stage.traced or stage.first else None
+        x: torch.Tensor | None = received
+        inputs: Mapping[str, torch.Tensor] | None = None
+        if isinstance(part, torch.Tensor):  # stage 0 of an nn.Sequential
+            x = part
+        elif part is not None:  # a traced stage reads the model inputs it needs
+            inputs = part
+        target = batch.targets[mb].to(self._device) if stage.last else None
+        out = stage.forward(
+            (a.batch, mb), x, a.version, target, recompute=self._recompute, inputs=inputs
+        )
+        if out is not None:
+            self._inbox[(K.FORWARD, a.stage, a.batch, mb)] = out
+
+    def _recompute_action(self, a: Action) -> None:
+        assert a.batch is not None and a.microbatch is not None
+        self._stages[a.stage].recompute((a.batch, a.microbatch))
+
+    def _backward(self, a: Action) -> None:
+        assert a.batch is not None and a.microbatch is not None
+        stage = self._stages[a.stage]
+        grad = None if stage.last else self._inbox.pop((K.RECV_B, a.stage, a.batch, a.microbatch))
+        grad_in = stage.backward((a.batch, a.microbatch), grad)
+        if grad_in is not None:
+            self._inbox[(K.BACKWARD, a.stage, a.batch, a.microbatch)] = grad_in
+
+    def _reduce(self, a: Action) -> None:
+        """Average the stage's gradient of ``a.batch`` over its replicas (nothing without)."""
+        assert a.batch is not None
+        stage = self._stages[a.stage]
+        if self._replicas is not None:
+            self._replicas.reduce(a.stage, a.batch, stage.grad_holders(a.batch))
+        if self._tied is not None and self._tied.groups_of(a.stage):
+            # after the (maybe lossy) average, so that every copy adds the same values
+            named = stage.named_grad_holders(a.batch)
+            holders = {k.removeprefix("stage."): v for k, v in named.items()}
+            self._tied.sum(a.stage, a.batch, holders)
+
+    def _step(self, a: Action) -> None:
+        assert a.batch is not None
+        self._stages[a.stage].step(a.batch, a.version, before=lambda: None)
