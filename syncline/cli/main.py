@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from syncline.cli.options import add_config_options, values_from
+from syncline.cli.plan import add_plan_options, cmd_plan, plan_doc
 from syncline.errors import CommError, ConfigError
 from syncline.registry import import_plugins
 from syncline.train.config import TrainConfig
@@ -60,6 +61,28 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_options(t)
+    t.add_argument(
+        "--plan",
+        choices=("auto",),
+        default=None,
+        help="auto: profile this machine (or read --plan-cluster), run the planner and train "
+        "its best configuration; the prediction is recorded in summary.json",
+    )
+    t.add_argument(
+        "--plan-cluster",
+        default=None,
+        metavar="FILE",
+        help="with --plan auto: a profile (syncline plan --profile) to plan from, "
+        "instead of profiling now",
+    )
+    p = sub.add_parser(
+        "plan",
+        help="predict and rank data-parallel and pipeline configurations for a model",
+        description=plan_doc(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_options(p)
+    add_plan_options(p)
     return parser
 
 
@@ -90,13 +113,17 @@ def _max_local_processes(backend: str) -> tuple[int, str]:
     return 8 * cores, f"8 x {cores} CPU core(s)"
 
 
-def config_from_args(ns: argparse.Namespace) -> TrainConfig:
-    """The validated config of a parsed ``syncline train`` command line.
+def config_from_args(ns: argparse.Namespace, *, planning: bool = False) -> TrainConfig:
+    """The validated config of a parsed ``syncline train`` command line (``planning``:
+    of ``syncline plan``, whose ``--ranks-per-node`` describes the planned cluster, not the
+    profiled ranks).
 
     Raises:
         ConfigError: naming the bad value, before any process starts.
     """
     values = values_from(ns)
+    if planning:
+        values.pop("ranks_per_node", None)
     if values.get("resume") is not None:
         values = _resumed_values(values)
     if "run_dir" not in values:
@@ -252,6 +279,48 @@ def cmd_train(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_planned(argv: list[str], ns: argparse.Namespace) -> int:
+    """``syncline train --plan auto``: plan, then train the best configuration that fits,
+    and record the prediction beside the measurement in ``summary.json``."""
+    from syncline.cli.plan import plan
+
+    cfg = config_from_args(ns, planning=True)
+    planner_ns = argparse.Namespace(
+        profile=ns.plan_cluster is None,
+        profile_out=str(Path(cfg.run_dir) / "plan" / "profile.json"),
+        cluster=ns.plan_cluster,
+        costs=None,
+        ranks=cfg.world_size,
+        memory_per_rank=None,
+        top=5,
+    )
+    document, text = plan(cfg, planner_ns)
+    print(text, flush=True)
+    best = next((c for c in document["candidates"] if c["fits"]), None)
+    if best is None:
+        raise ConfigError("--plan auto: no configuration fits in memory (see the table)")
+    given = [a for a in argv if a not in ("--plan", "auto") and not a.startswith("--plan=")]
+    chosen = build_parser().parse_args([*given, *best["train_args"], f"--run-dir={cfg.run_dir}"])
+    chosen.plan = None
+    print(f"--plan auto: training {best['label']} ({' '.join(best['train_args'])})", flush=True)
+    code = cmd_train(chosen)
+    summary_path = Path(cfg.run_dir) / "summary.json"
+    if code == 0 and summary_path.is_file():
+        summary = json.loads(summary_path.read_text())
+        measured = summary.get("median_samples_per_s")
+        summary["plan"] = {
+            "chosen": best["label"],
+            "train_args": best["train_args"],
+            "predicted_step_s": best["predicted_step_s"],
+            "predicted_samples_per_s": best["predicted_samples_per_s"],
+            "predicted_peak_bytes": best["predicted_peak_bytes"],
+            "measured_step_s": (cfg.batch_size / measured) if measured else None,
+            "measured_peak_bytes": max(summary.get("peak_rss_bytes_per_rank") or [0]) or None,
+        }
+        summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     plugins = _plugins_in(args)
@@ -268,6 +337,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if ns.command == "plan":
+            return cmd_plan(config_from_args(ns, planning=True), ns)
+        if ns.plan == "auto":
+            return cmd_train_planned(args, ns)
         return cmd_train(ns)
     except ConfigError as exc:
         print(f"syncline {ns.command}: error: {exc}", file=sys.stderr)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -27,11 +27,17 @@ class LayerProfile:
         seconds: forward + backward time of each layer on the sample.
         activation_bytes: bytes autograd saves for the backward of each layer.
         weight_bytes: parameter bytes of each layer.
+        forward_seconds: the forward's share of ``seconds`` (median over the repeats).
+        output_bytes: bytes of each layer's output (what a stage ending there sends).
+        params: parameter elements of each layer.
     """
 
     seconds: list[float]
     activation_bytes: list[int]
     weight_bytes: list[int]
+    forward_seconds: list[float] = field(default_factory=list)
+    output_bytes: list[int] = field(default_factory=list)
+    params: list[int] = field(default_factory=list)
 
 
 def _sync(device: torch.device) -> None:
@@ -55,12 +61,12 @@ def profile_layers(
         TypeError: a layer does not return one tensor.
     """
     grads = {p: p.grad for p in layers.parameters()}
-    seconds, act, weights = [], [], []
+    seconds, act, weights, forwards, outputs, params = [], [], [], [], [], []
     with torch.random.fork_rng(devices=[sample.device] if sample.device.type == "cuda" else []):
         h = sample
         for index, original in enumerate(layers):
             layer = original if prepare is None else prepare(index, original)
-            times, saved, out = [], 0, h
+            times, ftimes, saved, out = [], [], 0, h
             for rep in range(repeats + 1):
                 x = h.detach().requires_grad_(h.is_floating_point())
                 meter = StashMeter()
@@ -71,16 +77,22 @@ def profile_layers(
                     out = layer(x)
                 if not isinstance(out, torch.Tensor):
                     raise TypeError(f"layer {index} returned {type(out).__name__}, not a tensor")
+                _sync(sample.device)
+                t1 = time.perf_counter()
                 if out.requires_grad:
                     out.backward(torch.ones_like(out))
                 _sync(sample.device)
                 if rep:
                     times.append(time.perf_counter() - t0)
+                    ftimes.append(t1 - t0)
                 saved = meter.peak
             seconds.append(statistics.median(times))
+            forwards.append(min(statistics.median(ftimes), seconds[-1]))
+            outputs.append(out.numel() * out.element_size())
+            params.append(sum(p.numel() for p in layer.parameters()))
             act.append(saved)
             weights.append(sum(p.numel() * p.element_size() for p in layer.parameters()))
             h = out.detach()
     for p, g in grads.items():
         p.grad = g
-    return LayerProfile(seconds, act, weights)
+    return LayerProfile(seconds, act, weights, forwards, outputs, params)

@@ -3,8 +3,8 @@
 The runtime (:mod:`syncline.pipeline.runtime`) decides *when*; this module only does *what*
 one action asks, for one stage. Micro-batches are keyed ``(batch, microbatch)``.
 
-- forward: runs the stage on its input (2BW: on the action's weight version through
-  ``torch.func.functional_call``); the last stage also applies the loss. With
+- forward: runs the stage on its input (2BW: on the action's weight version, installed in
+  the stage's parameter slots for the call); the last stage also applies the loss. With
   recomputation the forward runs under ``no_grad`` and keeps only the input and the RNG
   state, so that the recompute draws the same dropout masks.
 - recompute: the forward again, with autograd, just before the backward.
@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from syncline.errors import ConfigError
 from syncline.pipeline.memory import StageMemoryStats, StashMeter, storage_key
@@ -124,7 +123,10 @@ class Stage:
         params: Tensors | None,
     ) -> Any:
         args: tuple[Any, ...] = (tuple(received), inputs) if self.traced else (received[0],)
-        return self.module(*args) if params is None else functional_call(self.module, params, args)
+        if params is None or self.versions is None:
+            return self.module(*args)
+        with self.versions.installed(params):
+            return self.module(*args)
 
     def _run(
         self,

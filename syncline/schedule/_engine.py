@@ -62,18 +62,24 @@ class Run:
     stalled: dict[int, int]
 
 
-def execute(schedule: Schedule, cost: Callable[[Action], float], latency: float = 0.0) -> Run:
+def execute(
+    schedule: Schedule,
+    cost: Callable[[Action], float],
+    latency: float | Callable[[Action], float] = 0.0,
+) -> Run:
     """Run every rank as soon as its dependencies allow.
 
     Args:
         schedule: the schedule to run.
         cost: duration of each action on its rank.
-        latency: delay between a SEND finishing and its RECV being able to finish.
+        latency: delay between a SEND finishing and its RECV being able to finish: one for
+            every message, or a function of the RECV (messages of different sizes).
 
     Returns:
         The start/end times, and where it stalled (a deadlock) if it did.
     """
     with_comm = has_communication(schedule)
+    delay_of = latency if callable(latency) else (lambda _a: float(latency))
     ends: dict[Key, float] = {}
     pos = dict.fromkeys(schedule.actions, 0)
     free = dict.fromkeys(schedule.actions, 0.0)
@@ -89,7 +95,7 @@ def execute(schedule: Schedule, cost: Callable[[Action], float], latency: float 
                 if dep is not None:
                     if dep not in ends:
                         break
-                    delay = latency if action.kind in RECVS else 0.0
+                    delay = delay_of(action) if action.kind in RECVS else 0.0
                     start = max(start, ends[dep] + delay)
                 end = start + cost(action)
                 times[rank].append((start, end))

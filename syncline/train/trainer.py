@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from syncline import comm
 from syncline.comm.collectives import Collective
 from syncline.data import ShardedBatches
 from syncline.dp.compressors import build_compressor
@@ -136,10 +138,16 @@ def train(
                     f"{time.perf_counter() - t_save:.2f}s -> {path}",
                     flush=True,
                 )
+    # peak resident memory of each rank over the run, before rank 0 writes the checkpoint
+    # (Linux reports KiB); the planner's memory prediction is checked against it
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peaks = comm.gather_objects(
+        rss, what="gather of peak memory", timeout_s=cfg.timeout_s, device=device
+    )
     if log is None or progress is None:
         return {}
     progress.close()
-    return _finish(cfg, model, opt, dp, log, world)
+    return _finish(cfg, model, opt, dp, log, world, peaks or [rss])
 
 
 def _finish(
@@ -149,6 +157,7 @@ def _finish(
     dp: DataParallel,
     log: MetricsLog,
     world: int,
+    peaks: list[int],
 ) -> dict[str, Any]:
     run_dir = Path(cfg.run_dir)
     summary = summarize(log.records)
@@ -162,6 +171,7 @@ def _finish(
         bucket_tuning=dp.bucket_tuning,
         compression=cfg.compression,
         allreduce=cfg.allreduce,
+        peak_rss_bytes_per_rank=peaks,
     )
     wire = summary.get("wire_bytes_per_step") or 0
     summary["compression_ratio"] = summary["gradient_bytes"] / wire if wire else None

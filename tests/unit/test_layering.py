@@ -24,6 +24,7 @@ PURE = [
     "syncline.schedule",
     "syncline.launch.netns",
     "syncline.partition",
+    "syncline.planner",
 ]
 
 
@@ -59,6 +60,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("syncline.models", "syncline.data"),
     ("syncline.dp", "syncline.compression"),
     ("syncline.pipeline",),
+    ("syncline.planner",),
     ("syncline.testing",),
     ("syncline.train",),
     ("syncline.cli",),

@@ -1,0 +1,210 @@
+"""PURE: what a model costs, layer by layer: time as a function of micro-batch size, bytes.
+
+Profiled on the machine at hand (``syncline plan --profile``, each layer at two micro-batch
+sizes, so that time is ``fixed + per_sample * b``: the fixed part is what small micro-batches
+pay in dispatch, and why a pipeline cannot cut them without limit) or computed from a model's
+shape for models nobody here can run (:func:`transformer_costs`). The layers are the ones a
+pipeline cuts (``syncline train --balance`` counts them), in order.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from syncline.errors import ConfigError
+
+__all__ = ["Affine", "LayerCost", "ModelCosts", "transformer_costs"]
+
+
+@dataclass(frozen=True)
+class Affine:
+    """Seconds as ``fixed + per_sample * b`` for a micro-batch of ``b`` samples."""
+
+    fixed: float = 0.0
+    per_sample: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("fixed", "per_sample"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise ConfigError(f"Affine.{name}={value!r} is invalid; valid: seconds >= 0")
+
+    def at(self, b: float) -> float:
+        return self.fixed + self.per_sample * b
+
+    @classmethod
+    def fit(cls, b1: int, t1: float, b2: int, t2: float) -> Affine:
+        """The line through two measurements (clipped so that neither part is negative)."""
+        if b1 == b2:
+            return cls(0.0, max(t1, 0.0) / b1)
+        slope = max((t2 - t1) / (b2 - b1), 0.0)
+        fixed = max(t1 - slope * b1, 0.0)
+        return cls(fixed, slope)
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer of the model (one entry of what a pipeline cuts)."""
+
+    name: str
+    forward: Affine
+    backward: Affine
+    params: int
+    """Parameters (elements); their bytes follow ``ModelCosts.param_bytes``."""
+    activation_bytes: float
+    """Bytes autograd keeps for this layer's backward, per sample."""
+    output_bytes: float
+    """Bytes of this layer's output, per sample: the message when a stage ends here."""
+    matrices: tuple[tuple[int, int], ...] = ()
+    """Shapes of the weight matrices, for PowerSGD's price (optional)."""
+
+    def __post_init__(self) -> None:
+        for name in ("forward", "backward"):
+            value = getattr(self, name)
+            if isinstance(value, Mapping):
+                object.__setattr__(self, name, Affine(**value))
+        object.__setattr__(self, "matrices", tuple(tuple(m) for m in self.matrices))
+        for name in ("params", "activation_bytes", "output_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise ConfigError(f"layer {self.name!r}: {name}={value!r} must be >= 0")
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """A model's layers and what is measured once per model rather than per layer."""
+
+    name: str
+    layers: tuple[LayerCost, ...]
+    input_bytes: float
+    """Bytes of one sample of the model's input (what stage 0 keeps per micro-batch)."""
+    param_bytes: int = 4
+    """Bytes per parameter element (fp32: 4)."""
+    tokens_per_sample: int = 1
+    """Tokens in one sample (a sequence), for tokens/s; 1 for images."""
+    update_s_per_param: float = 0.0
+    """Optimizer step compute per parameter (measured with the run's optimizer)."""
+    loss: Affine = field(default_factory=Affine)
+    """Forward + backward of the loss on the last stage's output."""
+    train_args: tuple[str, ...] = ()
+    """The ``syncline train`` model options these costs describe (e.g. ``--model gpt``)."""
+
+    def __post_init__(self) -> None:
+        layers = tuple(
+            LayerCost(**layer) if isinstance(layer, Mapping) else layer for layer in self.layers
+        )
+        if not layers:
+            raise ConfigError(f"model costs {self.name!r} have no layers")
+        object.__setattr__(self, "layers", layers)
+        if isinstance(self.loss, Mapping):
+            object.__setattr__(self, "loss", Affine(**self.loss))
+        object.__setattr__(self, "train_args", tuple(self.train_args))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def params(self) -> int:
+        return sum(layer.params for layer in self.layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ModelCosts:
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ConfigError(f"model costs: {exc}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> ModelCosts:
+        """Read model costs (alone, or under ``"model"`` in a profile).
+
+        Raises:
+            ConfigError: unreadable, or not valid costs.
+        """
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"model costs {str(path)!r} cannot be read: {exc}") from None
+        if isinstance(data, dict) and "model" in data:
+            data = data["model"]
+        if not isinstance(data, dict):
+            raise ConfigError(f"model costs {str(path)!r} do not hold a JSON object")
+        return cls.from_dict(data)
+
+
+def transformer_costs(
+    *,
+    n_layer: int,
+    n_embd: int,
+    n_head: int,
+    seq_len: int,
+    vocab_size: int,
+    flops_per_s: float,
+    activation_bytes_per_value: int = 2,
+    param_bytes: int = 2,
+    name: str = "gpt",
+    train_args: Sequence[str] = (),
+) -> ModelCosts:
+    """A GPT's costs from its shape (``n_layer + 2`` layers: embedding, blocks, head),
+    nothing allocated.
+
+    FLOPs of one block per sample (Narayanan et al. 2021, "Efficient large-scale language
+    model training on GPU clusters using Megatron-LM", eq. 3 without the head):
+    ``24*s*h^2 + 4*s^2*h`` forward, twice that backward. Stashed activations per sample and
+    block (Korthikanti et al. 2022, "Reducing activation recomputation in large transformer
+    models", section 4.1, no parallelism): ``s*h*(34 + 5*a*s/h)`` bytes with 16-bit values,
+    scaled by ``activation_bytes_per_value / 2``. The head's logits ``s*V`` are kept for the
+    loss. Times are FLOPs over ``flops_per_s`` (set it to the sustained, not peak, rate).
+    """
+    s, h, a, v = seq_len, n_embd, n_head, vocab_size
+    scale = activation_bytes_per_value / 2
+    out = s * h * activation_bytes_per_value
+
+    def timed(flops: float) -> tuple[Affine, Affine]:
+        return Affine(0.0, flops / flops_per_s), Affine(0.0, 2 * flops / flops_per_s)
+
+    f, b = timed(0.0)
+    layers = [
+        LayerCost("embedding", f, b, (v + s) * h, s * 8.0, out, ()),
+    ]
+    block_f, block_b = timed(24 * s * h * h + 4 * s * s * h)
+    for i in range(n_layer):
+        layers.append(
+            LayerCost(
+                f"block.{i}",
+                block_f,
+                block_b,
+                12 * h * h + 13 * h,
+                s * h * (34 + 5 * a * s / h) * scale,
+                out,
+                ((3 * h, h), (h, h), (4 * h, h), (h, 4 * h)),
+            )
+        )
+    head_f, head_b = timed(2 * s * h * v)
+    layers.append(
+        LayerCost(
+            "head",
+            head_f,
+            head_b,
+            v * h + 2 * h,
+            s * h * activation_bytes_per_value + s * v * 4.0,
+            s * v * 4.0,
+            ((v, h),),
+        )
+    )
+    return ModelCosts(
+        name,
+        tuple(layers),
+        input_bytes=s * 8.0,
+        param_bytes=param_bytes,
+        tokens_per_sample=s,
+        train_args=tuple(train_args),
+    )

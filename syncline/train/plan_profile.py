@@ -1,0 +1,315 @@
+"""One rank of ``syncline plan --profile``: measure this machine's costs for the planner.
+
+``python -m syncline.train.plan_profile CONFIG.json OUT.json EMULATED`` under torchrun, every
+rank at once (as in training, the ranks share the machine's cores and memory bandwidth while
+they are timed). Rank 0 writes ``OUT.json``: ``{"cluster": ..., "model": ...}``, the
+:class:`~syncline.planner.hardware.Cluster` and :class:`~syncline.planner.costs.ModelCosts`
+the planner reads. What is measured, and how each number is fitted:
+
+- each layer's forward and backward at two micro-batch sizes, and the loss: ``fixed +
+  per_sample * b`` through the two points (``syncline.pipeline.profile``);
+- the optimizer step over all parameters (per parameter), copying a weight version (per byte),
+  and fetching a batch (the step's overhead outside the model);
+- each compressor's local work on the model's gradient buckets (world size 1, before the
+  process group exists, so its collectives cost nothing), per gradient byte;
+- point-to-point ping-pong between ranks 0 and 1 (latency and bandwidth, least squares) and
+  allreduces over all ranks (the summing cost per byte on top of the wire);
+- how much a forward + backward slows while an allreduce runs beside it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from syncline import comm
+from syncline.comm.collectives import FlatAllreduce
+from syncline.comm.probe import overlap_slowdown, own_group, time_allreduce, time_ping_pong
+from syncline.data import ShardedBatches
+from syncline.dp.buckets import plan_buckets
+from syncline.dp.compression import BucketRef
+from syncline.dp.compressors import build_compressor
+from syncline.dp.config import DataParallelConfig
+from syncline.models import model_loss
+from syncline.pipeline.profile import profile_layers
+from syncline.planner.costs import Affine, LayerCost, ModelCosts
+from syncline.planner.hardware import Cluster, Link
+from syncline.planner.search import DEFAULT_COMPRESSIONS
+from syncline.train.common import build_dataset, build_model_for, make_optimizer
+from syncline.train.config import TrainConfig
+
+P2P_SIZES = (4096, 65536, 1 << 20, 4 << 20, 16 << 20)
+ALLREDUCE_SIZES = (65536, 1 << 20, 4 << 20, 16 << 20)
+
+
+def _median_time(fn: Callable[[], None], repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _fit_link(sizes: tuple[int, ...], seconds: list[float]) -> Link:
+    """Least squares ``t = latency + n / bandwidth``."""
+    n = len(sizes)
+    mx, my = sum(sizes) / n, sum(seconds) / n
+    sxx = sum((x - mx) ** 2 for x in sizes)
+    slope = sum((x - mx) * (y - my) for x, y in zip(sizes, seconds, strict=True)) / sxx
+    slope = max(slope, 1e-15)
+    return Link(1.0 / slope, max(my - slope * mx, 0.0))
+
+
+def _layers(model: nn.Module) -> nn.Sequential:
+    if not isinstance(model, nn.Sequential):
+        raise SystemExit(
+            f"plan --profile needs an nn.Sequential model (what a pipeline cuts), got "
+            f"{type(model).__name__}"
+        )
+    return model
+
+
+def _model_costs(
+    cfg: TrainConfig, model: nn.Sequential, sizes: tuple[int, int], rank: int, world: int
+) -> ModelCosts:
+    dataset, tokens = build_dataset(cfg)
+    loss_fn = model_loss(cfg.model)
+    profiles, losses, samples = [], [], []
+    for b in sizes:
+        x, y = ShardedBatches(dataset, b * world, rank, world, cfg.seed).batch(0)
+        samples.append(x)
+        profiles.append(profile_layers(model, x, repeats=5))
+        with torch.no_grad():
+            out = model(x)
+
+        def loss_step(out: torch.Tensor = out, y: torch.Tensor = y) -> None:
+            z = out.detach().requires_grad_(True)
+            loss_fn(z, y).backward()
+
+        losses.append(_median_time(loss_step))
+    (b1, b2), (p1, p2) = sizes, profiles
+    layers = []
+    for i, layer in enumerate(model):
+        f1, f2 = p1.forward_seconds[i], p2.forward_seconds[i]
+        matrices = tuple(
+            (int(p.shape[0]), int(p.numel() // p.shape[0]))
+            for p in layer.parameters()
+            if p.dim() >= 2
+        )
+        layers.append(
+            LayerCost(
+                name=f"{i}:{type(layer).__name__}",
+                forward=Affine.fit(b1, f1, b2, f2),
+                backward=Affine.fit(b1, p1.seconds[i] - f1, b2, p2.seconds[i] - f2),
+                params=p2.params[i],
+                activation_bytes=p2.activation_bytes[i] / b2,
+                output_bytes=p2.output_bytes[i] / b2,
+                matrices=matrices,
+            )
+        )
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = make_optimizer(cfg, params)
+    update = _median_time(opt.step)
+    x0 = samples[-1]
+    return ModelCosts(
+        name=cfg.model,
+        layers=tuple(layers),
+        input_bytes=x0.numel() * x0.element_size() / x0.shape[0],
+        param_bytes=4,
+        tokens_per_sample=tokens,
+        update_s_per_param=update / max(1, sum(p.numel() for p in params)),
+        loss=Affine.fit(b1, losses[0], b2, losses[1]),
+    )
+
+
+def _compressor_costs(model: nn.Module, solo: FlatAllreduce) -> dict[str, float]:
+    """Seconds per gradient byte of each compressor's local work (a one-rank group)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    dp = DataParallelConfig()
+    order = list(reversed(range(len(params))))
+    plan = plan_buckets([p.numel() for p in params], order, 4, dp.cap_bytes, dp.first_cap_bytes)
+    buckets = [
+        (
+            b.start,
+            b.end,
+            tuple((plan.offsets[i] - b.start, tuple(params[i].shape)) for i in b.params),
+        )
+        for b in plan.buckets
+    ]
+    total = buckets[-1][1]
+    flat = torch.randn(total)
+    out = {}
+    for spec in DEFAULT_COMPRESSIONS:
+        name = spec.split(":")[0]
+        comp = build_compressor(spec)
+        step = [0]
+
+        def run(comp: Any = comp, step: list[int] = step) -> None:
+            step[0] += 1
+            pending = [
+                comp.reduce(BucketRef(i, step[0] + 10_000, layout), flat[a:b], solo)
+                for i, (a, b, layout) in enumerate(buckets)
+            ]
+            for p in pending:
+                p.wait()
+
+        out[name] = _median_time(run) / (4 * total)
+    base = out.get("none", 0.0)
+    return {k: max(v - base, 0.0) for k, v in out.items()}
+
+
+def _other_costs(cfg: TrainConfig, model: nn.Module, rank: int, world: int) -> dict[str, float]:
+    dataset, _ = build_dataset(cfg)
+    batches = ShardedBatches(dataset, cfg.batch_size, rank, world, cfg.seed)
+    params = list(model.parameters())
+    copies = [p.detach().clone() for p in params]
+    step = [0]
+
+    def fetch() -> None:
+        step[0] += 1
+        batches.batch(step[0])
+
+    def copy() -> None:
+        for c, p in zip(copies, params, strict=True):
+            c.copy_(p)
+
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    return {
+        "step_overhead_s": _median_time(fetch),
+        "update_s_per_byte": _median_time(copy) / max(1, nbytes),
+    }
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory now (Linux ``/proc/self/statm``)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 3:
+        print("usage: python -m syncline.train.plan_profile CONFIG OUT EMULATED", file=sys.stderr)
+        return 2
+    cfg = TrainConfig.from_dict(json.loads(Path(args[0]).read_text()))
+    emulated = args[2] == "1"
+    torch.set_num_threads(cfg.threads)
+    rank, world = comm.init_from_env(backend="gloo", timeout_s=cfg.timeout_s)
+    try:
+        # The base is what a rank of ``syncline train`` holds before its model: the
+        # framework, the process group, the data, and the trainer's own modules (they are
+        # ~50 MB this profile would not otherwise load).
+        importlib.import_module("syncline.train.worker")
+        build_dataset(cfg)
+        base = _resident_bytes()
+        model = _layers(build_model_for(cfg))
+        local = max(1, cfg.batch_size // world)
+        sizes = (max(1, local // 8), local) if local >= 2 else (1, 2)
+        costs = _model_costs(cfg, model, sizes, rank, world)
+        other = _other_costs(cfg, model, rank, world)
+        peer = 1 - rank if rank < 2 else None
+        p2p = time_ping_pong(P2P_SIZES, peer=peer) if peer is not None else []
+        allreduce = time_allreduce(ALLREDUCE_SIZES)
+        dataset, _ = build_dataset(cfg)
+        x, y = ShardedBatches(dataset, cfg.batch_size, rank, world, cfg.seed).batch(0)
+        loss_fn = model_loss(cfg.model)
+
+        def train_step() -> None:
+            model.zero_grad(set_to_none=True)
+            loss_fn(model(x), y).backward()
+
+        grad_bytes = sum(p.numel() * 4 for p in model.parameters())
+        alone, shared, comm_s = overlap_slowdown(train_step, grad_bytes)
+        solo = FlatAllreduce(own_group(cfg.timeout_s), timeout_s=cfg.timeout_s)
+        compressors = _compressor_costs(model, solo)
+        results = comm.gather_objects(
+            {
+                "costs": costs.to_dict(),
+                "other": other,
+                "p2p": p2p,
+                "allreduce": allreduce,
+                "base": base,
+                "overlap": (alone, shared, comm_s),
+                "compressors": compressors,
+            },
+            what="gather of profiles",
+            timeout_s=cfg.timeout_s,
+        )
+        if rank == 0 and results is not None:
+            _write(Path(args[1]), cfg, results, world, emulated)
+        comm.barrier(timeout_s=cfg.timeout_s, what="end of profile")
+    finally:
+        comm.destroy()
+    return 0
+
+
+def _write(
+    out: Path,
+    cfg: TrainConfig,
+    results: list[dict[str, Any]],
+    world: int,
+    emulated: bool,
+) -> None:
+    from syncline.planner.collectives import ring_allreduce_s
+
+    first = results[0]
+    link = _fit_link(P2P_SIZES, first["p2p"]) if first["p2p"] else Link(1e12, 0.0)
+    residual = []
+    for n, t in zip(ALLREDUCE_SIZES, first["allreduce"], strict=True):
+        wire = ring_allreduce_s(n, world, link)
+        residual.append(max(t - wire, 0.0) / ((world - 1) / world * n) if world > 1 else 0.0)
+    alone, shared, comm_s = (statistics.median(r["overlap"][i] for r in results) for i in range(3))
+    overlapped = min(comm_s, shared)
+    slowdown = max(shared - alone, 0.0) / overlapped if overlapped > 0 else 0.0
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // world
+    cluster = Cluster(
+        name=f"this machine ({'emulated ' + str(cfg.emulate_network) if emulated else 'loopback'})",
+        ranks_per_node=1 if emulated else world,
+        memory_per_rank=memory,
+        intra=link,
+        inter=link,
+        base_memory=max(r["base"] for r in results),
+        step_overhead_s=statistics.median(r["other"]["step_overhead_s"] for r in results),
+        compress_s_per_byte={
+            k: statistics.median(r["compressors"][k] for r in results) for k in first["compressors"]
+        },
+        reduce_s_per_byte=statistics.median(residual[-2:]),
+        update_s_per_byte=first["other"]["update_s_per_byte"],
+        overlap_slowdown=slowdown,
+    )
+    document = {
+        "cluster": cluster.to_dict(),
+        "model": first["costs"],
+        "measured": {
+            "profiled_ranks": world,
+            "p2p_sizes": list(P2P_SIZES),
+            "p2p_s": first["p2p"],
+            "allreduce_sizes": list(ALLREDUCE_SIZES),
+            "allreduce_s": first["allreduce"],
+            "overlap": {"compute_alone_s": alone, "compute_shared_s": shared, "comm_s": comm_s},
+        },
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(document, indent=2) + "\n")
+    tmp.replace(out)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
