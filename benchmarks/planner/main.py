@@ -4,7 +4,9 @@ For each network (the loopback, and 2 ranks over emulated links), this runs
 ``syncline plan --profile --json`` for the model, then trains the planner's top candidates
 and a spread of the others with ``syncline train`` (each in its own processes, as a user
 runs it), and compares per configuration: step time (median over the run's steps, the first
-``--skip`` left out) and peak resident memory (the largest rank's). Reported: the absolute
+``--skip`` left out; then the median over ``--rounds`` runs, the configurations taking
+turns in a rotated order, since this machine's speed drifts over minutes) and peak
+resident memory (the largest rank's). Reported: the absolute
 percentage error of each, their mean, the Spearman rank correlation of predicted and
 measured step times, and how far the planner's pick is from the fastest measured.
 
@@ -92,6 +94,21 @@ def measure(
     }
 
 
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's runs over the rounds: the median step time and peak memory."""
+    ok = [r for r in runs if "step_s" in r]
+    if not ok:
+        return runs[-1]
+    return {
+        "step_s": statistics.median(r["step_s"] for r in ok),
+        "peak_bytes": statistics.median(r["peak_bytes"] for r in ok),
+        "step_s_per_round": [r["step_s"] for r in ok],
+        "peak_bytes_per_round": [r["peak_bytes"] for r in ok],
+        "wall_s": sum(r["wall_s"] for r in runs),
+        "failed_rounds": len(runs) - len(ok),
+    }
+
+
 def _ranks(values: list[float]) -> list[float]:
     order = sorted(range(len(values)), key=lambda i: values[i])
     ranks = [0.0] * len(values)
@@ -145,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--configs", type=int, default=8, help="configurations per network")
     ap.add_argument("--top", type=int, default=3, help="of which the planner's best")
-    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each configuration, in turns")
     ap.add_argument("--skip", type=int, default=4, help="first steps left out of the median")
     ap.add_argument("--work", type=Path, default=Path("runs/bench-planner"))
     ap.add_argument("--out", type=Path, default=None)
@@ -155,10 +173,16 @@ def main(argv: list[str] | None = None) -> int:
     for network in a.networks.split(","):
         doc = plan(network, a.model, a.batch_size, a.work)
         chosen = spread(doc["candidates"], a.top, a.configs)
+        runs: list[list[dict[str, Any]]] = [[] for _ in chosen]
+        for r in range(a.rounds):  # take turns, each round in a rotated order
+            order = [(i + r) % len(chosen) for i in range(len(chosen))]
+            for i in order:
+                c = chosen[i]
+                print(f"[{network}] round {r + 1}/{a.rounds}: {c['label']} ...", flush=True)
+                runs[i].append(measure(c, network, a.steps, a.skip, a.work / f"{network}-{i}"))
         rows = []
         for i, c in enumerate(chosen):
-            print(f"[{network}] {i + 1}/{len(chosen)} {c['label']} ...", flush=True)
-            measured = measure(c, network, a.steps, a.skip, a.work / f"{network}-{i}")
+            measured = combine(runs[i])
             row = {
                 "label": c["label"],
                 "planner_rank": doc["candidates"].index(c) + 1,

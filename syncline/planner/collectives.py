@@ -77,7 +77,9 @@ def allreduce_s(
         return ring_allreduce_s(nbytes, p, cluster.intra, reduce_s_per_byte)
     # the intra-node phases are a ring allreduce's two halves (comm.topology's model)
     intra = ring_allreduce_s(nbytes, k, cluster.intra, reduce_s_per_byte)
-    return intra + ring_allreduce_s(nbytes / k, nodes, cluster.inter, reduce_s_per_byte)
+    # then k rings across nodes at once, one per rank of a node, over the node's ports
+    inter = cluster.inter_shared(k)
+    return intra + ring_allreduce_s(nbytes / k, nodes, inter, reduce_s_per_byte)
 
 
 def _near_square(n: int) -> tuple[int, int]:

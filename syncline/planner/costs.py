@@ -22,7 +22,7 @@ __all__ = ["Affine", "LayerCost", "ModelCosts", "transformer_costs"]
 
 @dataclass(frozen=True)
 class Affine:
-    """Seconds as ``fixed + per_sample * b`` for a micro-batch of ``b`` samples."""
+    """``fixed + per_sample * b`` for a micro-batch of ``b`` samples (seconds, or bytes)."""
 
     fixed: float = 0.0
     per_sample: float = 0.0
@@ -31,7 +31,7 @@ class Affine:
         for name in ("fixed", "per_sample"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-                raise ConfigError(f"Affine.{name}={value!r} is invalid; valid: seconds >= 0")
+                raise ConfigError(f"Affine.{name}={value!r} is invalid; valid: a number >= 0")
 
     def at(self, b: float) -> float:
         return self.fixed + self.per_sample * b
@@ -92,6 +92,11 @@ class ModelCosts:
     """Forward + backward of the loss on the last stage's output."""
     train_args: tuple[str, ...] = ()
     """The ``syncline train`` model options these costs describe (e.g. ``--model gpt``)."""
+    workspace: Affine = field(default_factory=Affine)
+    """Bytes a training step holds beyond the stash and the model state, by micro-batch
+    size: the temporaries of the layer being run and of its backward, and the memory the
+    allocator keeps after freeing them (measured by ``--profile`` as the peak of real
+    steps minus what the model accounts for; 0 when computed from a shape)."""
 
     def __post_init__(self) -> None:
         layers = tuple(
@@ -100,8 +105,9 @@ class ModelCosts:
         if not layers:
             raise ConfigError(f"model costs {self.name!r} have no layers")
         object.__setattr__(self, "layers", layers)
-        if isinstance(self.loss, Mapping):
-            object.__setattr__(self, "loss", Affine(**self.loss))
+        for name in ("loss", "workspace"):
+            if isinstance(getattr(self, name), Mapping):
+                object.__setattr__(self, name, Affine(**getattr(self, name)))
         object.__setattr__(self, "train_args", tuple(self.train_args))
 
     @property

@@ -154,6 +154,10 @@ class Cluster:
     overlap_slowdown: float = 0.0
     """Compute time lost per second of communication that overlaps it (CPU ranks share
     their cores with the communication threads; ~0 on GPUs)."""
+    inter_ports_per_node: int = 1
+    """Network ports a node has at the ``inter`` bandwidth. Ranks of one node that cross
+    nodes at once share them (a hierarchical allreduce's per-rank rings, a stage's
+    replicas sending to the next stage); a flat ring crosses each node boundary once."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -182,6 +186,9 @@ class Cluster:
             "overlap_slowdown",
         ):
             _check_nonnegative(name, getattr(self, name))
+        ports = self.inter_ports_per_node
+        if isinstance(ports, bool) or not isinstance(ports, int) or ports < 1:
+            raise ConfigError(f"inter_ports_per_node={ports!r} is invalid; valid: an int >= 1")
         for key, value in self.compress_s_per_byte.items():
             _check_nonnegative(f"compress_s_per_byte[{key!r}]", value)
         object.__setattr__(self, "compress_s_per_byte", dict(self.compress_s_per_byte))
@@ -194,6 +201,14 @@ class Cluster:
         """The slowest link a group of ranks (by global rank) communicates over."""
         nodes = {r // self.ranks_per_node for r in group}
         return self.intra if len(nodes) <= 1 else self.inter
+
+    def inter_shared(self, concurrent: int) -> Link:
+        """The ``inter`` link as each of ``concurrent`` ranks of one node sees it when they
+        all cross nodes at once over the node's ports."""
+        share = min(1.0, self.inter_ports_per_node / max(1, concurrent))
+        if share == 1.0:
+            return self.inter
+        return Link(self.inter.bandwidth * share, self.inter.latency_s)
 
     def with_ranks_per_node(self, ranks_per_node: int | None) -> Cluster:
         """This cluster with another node size (``--ranks-per-node``), or itself."""

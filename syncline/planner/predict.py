@@ -186,7 +186,8 @@ def _finish(
     per_rank: Sequence[float],
     breakdown: dict[str, float],
 ) -> Prediction:
-    per_rank_bytes = tuple(int(cluster.base_memory + b) for b in per_rank)
+    workspace = costs.workspace.at(config.microbatch_size)
+    per_rank_bytes = tuple(int(cluster.base_memory + workspace + b) for b in per_rank)
     peak = max(per_rank_bytes)
     fits = peak <= cluster.memory_per_rank
     parts = {k: v for k, v in breakdown.items() if k != "overhead"}
@@ -388,7 +389,11 @@ def predict_pipeline(costs: ModelCosts, cluster: Cluster, config: Configuration)
 
     def link_of(a: int, b: int) -> Link:
         # rank = pipeline rank * width + replica: replica 0's pipeline is ranks 0, w, 2w, ...
-        return cluster.link_between([rank_of(a) * w, rank_of(b) * w])
+        ra, rb = rank_of(a) * w, rank_of(b) * w
+        if ra // cluster.ranks_per_node == rb // cluster.ranks_per_node:
+            return cluster.intra
+        # across nodes, the stage's replicas on one node send at once over its ports
+        return cluster.inter_shared(min(w, cluster.ranks_per_node))
 
     compress = cluster.compress_s_per_byte.get(compressor_name(config.compression), 0.0)
 

@@ -14,14 +14,19 @@ the planner reads. What is measured, and how each number is fitted:
   process group exists, so its collectives cost nothing), per gradient byte;
 - point-to-point ping-pong between ranks 0 and 1 (latency and bandwidth, least squares) and
   allreduces over all ranks (the summing cost per byte on top of the wire);
-- how much a forward + backward slows while an allreduce runs beside it.
+- how much a forward + backward slows while an allreduce runs beside it;
+- the memory a rank of ``syncline train`` holds before its model (peak resident bytes, the
+  trainer's modules loaded), and the workspace of a step: the peak of two real steps at
+  each micro-batch size less that base, the model state and the stashed activations.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -195,10 +200,52 @@ def _other_costs(cfg: TrainConfig, model: nn.Module, rank: int, world: int) -> d
     }
 
 
-def _resident_bytes() -> int:
-    """This process's resident memory now (Linux ``/proc/self/statm``)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _peak_bytes() -> int:
+    """This process's peak resident memory so far (what ``syncline train`` reports)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _step_peaks(
+    cfg: TrainConfig, model: nn.Sequential, sizes: tuple[int, int], rank: int, world: int
+) -> list[tuple[int, int]]:
+    """(peak resident bytes, model state bytes) after two real training steps (forward,
+    loss, backward, the run's optimizer) at each micro-batch size, smallest first: the
+    peak only grows, so each size's peak is its own. Run before anything else allocates."""
+    dataset, _ = build_dataset(cfg)
+    loss_fn = model_loss(cfg.model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(cfg, params)
+    out = []
+    for b in sizes:
+        x, y = ShardedBatches(dataset, b * world, rank, world, cfg.seed).batch(1)
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            loss_fn(model(x), y).backward()
+            opt.step()
+        state = sum(p.numel() * p.element_size() * 2 for p in params)  # weights, grads
+        state += sum(
+            t.numel() * t.element_size()
+            for st in opt.state.values()
+            for t in st.values()
+            if isinstance(t, torch.Tensor)
+        )
+        out.append((_peak_bytes(), state))
+    opt.zero_grad(set_to_none=True)
+    return out
+
+
+def _with_workspace(
+    costs: ModelCosts, sizes: tuple[int, int], peaks: list[tuple[int, int]], base: int
+) -> ModelCosts:
+    """``costs`` with the workspace fitted: each size's peak less the base, the model
+    state and the activations the layers stash (their measured saved tensors)."""
+    stash = sum(layer.activation_bytes for layer in costs.layers) + costs.input_bytes
+    extra = [
+        max(peak - base - state - stash * b, 0)
+        for b, (peak, state) in zip(sizes, peaks, strict=True)
+    ]
+    workspace = Affine.fit(sizes[0], extra[0], sizes[1], extra[1])
+    return dataclasses.replace(costs, workspace=workspace)
 
 
 @record
@@ -217,11 +264,13 @@ def main(argv: list[str] | None = None) -> int:
         # ~50 MB this profile would not otherwise load).
         importlib.import_module("syncline.train.worker")
         build_dataset(cfg)
-        base = _resident_bytes()
+        base = _peak_bytes()
         model = _layers(build_model_for(cfg))
         local = max(1, cfg.batch_size // world)
         sizes = (max(1, local // 8), local) if local >= 2 else (1, 2)
+        peaks = _step_peaks(cfg, model, sizes, rank, world)
         costs = _model_costs(cfg, model, sizes, rank, world)
+        costs = _with_workspace(costs, sizes, peaks, base)
         other = _other_costs(cfg, model, rank, world)
         peer = 1 - rank if rank < 2 else None
         p2p = time_ping_pong(P2P_SIZES, peer=peer) if peer is not None else []

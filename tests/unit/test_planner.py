@@ -7,6 +7,8 @@ import json
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from syncline.errors import ConfigError
 from syncline.planner import (
@@ -87,11 +89,18 @@ def test_ring_and_hierarchical_allreduce_follow_the_alpha_beta_model() -> None:
     flat = allreduce_s(1e8, ranks, slow, "flat")
     hier = allreduce_s(1e8, ranks, slow, "hierarchical")
     assert flat == pytest.approx(ring_allreduce_s(1e8, 8, slow.inter))
-    # the inter-node ring carries a quarter of the bytes over two nodes
+    # four rings across the nodes, each a quarter of the bytes, sharing the node's one port
+    shared = Link(1e8 / 4, 1e-5)
     assert hier == pytest.approx(
+        ring_allreduce_s(1e8, 4, slow.intra) + ring_allreduce_s(2.5e7, 2, shared)
+    )
+    assert flat / 2 < hier < flat
+    # with a port per rank, each ring has the whole link
+    ported = Cluster("two nodes", 4, GiB, slow.intra, slow.inter, inter_ports_per_node=4)
+    assert allreduce_s(1e8, ranks, ported, "hierarchical") == pytest.approx(
         ring_allreduce_s(1e8, 4, slow.intra) + ring_allreduce_s(2.5e7, 2, slow.inter)
     )
-    assert hier < flat / 2
+    assert allreduce_s(1e8, ranks, ported, "hierarchical") < flat / 2
 
 
 def test_bucket_traffic_is_each_compressors_documented_formula() -> None:
@@ -225,3 +234,54 @@ def test_configurations_that_cannot_run_are_refused_with_their_values() -> None:
         Configuration(4, 10, stages=2, schedule="1f1b", microbatches=4)
     with pytest.raises(ConfigError, match="batch_size=7"):
         search(SearchSpace(ranks=4, batch_size=7, pipelines=False), _uniform(2), _cluster())
+
+
+_PROPERTY_MODELS = st.builds(
+    lambda n, f, params: ModelCosts(
+        "random",
+        tuple(
+            LayerCost(f"l{i}", Affine(1e-4, f), Affine(2e-4, 2 * f), params, 4e5, 4e4)
+            for i in range(n)
+        ),
+        input_bytes=1e3,
+        update_s_per_param=1e-9,
+    ),
+    st.integers(4, 8),
+    st.floats(1e-4, 1e-2),
+    st.integers(10_000, 2_000_000),
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    costs=_PROPERTY_MODELS,
+    bandwidth=st.floats(1e7, 1e11),
+    factor=st.floats(1.0, 100.0),
+    latency=st.floats(0.0, 1e-3),
+    rpn=st.sampled_from([1, 2, 4]),
+)
+def test_more_bandwidth_never_predicts_slower(
+    costs: ModelCosts, bandwidth: float, factor: float, latency: float, rpn: int
+) -> None:
+    def cluster(bw: float) -> Cluster:
+        return Cluster("c", rpn, 64 * GiB, Link(10 * bw, latency), Link(bw, latency))
+
+    space = SearchSpace(ranks=4, batch_size=16, max_microbatches=8)
+    slow = {p.config: p.step_s for p in search(space, costs, cluster(bandwidth))}
+    fast = {p.config: p.step_s for p in search(space, costs, cluster(bandwidth * factor))}
+    assert slow.keys() == fast.keys()
+    for config, t in fast.items():
+        assert t <= slow[config] * (1 + 1e-9), config.describe()
+
+
+@settings(max_examples=25, deadline=None)
+@given(costs=_PROPERTY_MODELS, memory=st.integers(2**24, 2**31), factor=st.floats(1.0, 8.0))
+def test_more_memory_never_removes_a_candidate(
+    costs: ModelCosts, memory: int, factor: float
+) -> None:
+    def fitting(mem: int) -> set[Configuration]:
+        cluster = Cluster("c", 2, mem, Link(1e9, 1e-5), Link(1e8, 1e-5))
+        found = search(SearchSpace(ranks=4, batch_size=16, max_microbatches=8), costs, cluster)
+        return {p.config for p in found if p.fits}
+
+    assert fitting(memory) <= fitting(int(memory * factor))

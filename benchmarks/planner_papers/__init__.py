@@ -1,0 +1,1 @@
+"""The planner beside two papers' published figures (PipeDream-2BW, GradientFlow)."""

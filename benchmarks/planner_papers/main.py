@@ -1,0 +1,405 @@
+"""The planner beside two papers: PipeDream-2BW's GPT pipelines and GradientFlow's AlexNet.
+
+Pure computation (no torch, no cluster, a few seconds of one core): each paper's hardware is
+written down as a :class:`~syncline.planner.Cluster`, its model as
+:class:`~syncline.planner.ModelCosts`, and syncline's planner predicts what the paper
+measured. Nothing in syncline is tuned to match; where the prediction disagrees with the paper
+the table says so.
+
+- PipeDream-2BW (Narayanan et al., ICML 2021, section 5): GPT models on 8 and 64 V100-16GB.
+  The planner searches depth ``d``, width ``w``, micro-batches and recomputation for GPipe,
+  1F1B-with-flush (PipeDream-Flush) and 2BW; reported: its pick, and the speedup of 2BW over
+  the best configuration of each flush schedule.
+- GradientFlow (Sun et al. 2019, sections 3-4): AlexNet data parallelism on 8..512 V100s over
+  56 Gbit/s: an allreduce per layer, lazy allreduce (fused buckets), lazy allreduce plus CSC.
+
+[Note: published, derived, assumed] ``PAPER_2BW`` and ``PAPER_GRADIENTFLOW`` hold only what the
+papers print (the 2BW depths are read from its throughput figures' captions, as recalled for
+this benchmark, not re-checked against the PDF). A *derived* figure is arithmetic on
+published ones (GradientFlow's images/s). Everything else (FLOP/s, link latencies, model
+shapes where the paper gives only a parameter count, batch sizes) is an assumption, named
+in the docstring of the function that makes it, and saved with the results.
+
+[Note: a NIC per node] Both papers' servers share one network port among 8 GPUs, which is
+the planner's default (``Cluster.inter_ports_per_node = 1``): a flat ring has one edge
+leaving each node, but a hierarchical allreduce's 8 per-rank rings, or the ``w`` replicas of
+a pipeline stage sending to the next node at once, share the port. The ``NIC-per-GPU``
+figures re-predict with ``inter_ports_per_node = 8`` to show how much that matters.
+
+    python -m benchmarks.planner_papers --out benchmarks/results/planner_papers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from syncline.planner import (
+    Affine,
+    Cluster,
+    Configuration,
+    LayerCost,
+    Link,
+    ModelCosts,
+    Prediction,
+    SearchSpace,
+    parse_bandwidth,
+    parse_size,
+    predict,
+    search,
+    transformer_costs,
+)
+from syncline.testing.bench import ratio, write_json
+
+GiB = 2**30
+SCHEDULES = ("gpipe", "1f1b", "2bw")
+IMAGENET_TRAIN_IMAGES = 1_281_167
+
+PAPER_2BW: dict[str, Any] = {
+    "hardware": "AWS p3.16xlarge: 8 V100-16GB per server, NVLink inside, 25 Gbit/s between",
+    "sequence_length": 512,
+    "speedup_2bw_over_gpipe_up_to": 3.2,
+    "order": "2BW > PipeDream-Flush > GPipe",
+    "speedup_2bw_over_flush": None,  # shown in its figures, no single number recorded here
+}
+PAPER_GRADIENTFLOW: dict[str, Any] = {
+    "gpus": 512,
+    "gpus_per_server": 8,
+    "network_gbit": 56,
+    "epochs": 95,
+    "minutes": 1.5,
+    "speedup_512": 410,
+    "baseline_speedup_64": 2.5,  # off-the-shelf systems, the paper's motivation
+}
+
+
+def _derived_gradientflow() -> dict[str, float]:
+    """Images/s at 512 GPUs (95 epochs in 1.5 minutes), and on one GPU (that over 410)."""
+    p = PAPER_GRADIENTFLOW
+    at_512 = p["epochs"] * IMAGENET_TRAIN_IMAGES / (p["minutes"] * 60)
+    return {
+        "images_per_s_512": at_512,
+        "images_per_s_1": at_512 / p["speedup_512"],
+        "efficiency_512": p["speedup_512"] / p["gpus"],
+    }
+
+
+# --- PipeDream-2BW ------------------------------------------------------------------------
+
+
+def pipedream_cluster() -> Cluster:
+    """The 2BW paper's servers: 8 V100-16GB each, NVLink inside, 25 Gbit/s between (published).
+
+    Assumed: ``flops_per_s = 39e12``, the sustained fp16 rate Megatron-LM reports for a GPT
+    on one V100 (Shoeybi et al. 2019, section 5: 30 % of the 125 TFLOP/s tensor-core peak);
+    2BW's GPT code builds on Megatron-LM's, at widths whose GEMMs run near it. NVLink: 150 GB/s one
+    way per GPU (V100's six NVLink-2 links, 300 GB/s both ways; a ring over the hybrid cube
+    mesh gets less). Latencies 5 us inside a server and 20 us between (the planner's own
+    example values, not measured).
+    """
+    return Cluster(
+        "p3.16xlarge (2BW)",
+        ranks_per_node=8,
+        memory_per_rank=parse_size("16GB"),
+        intra=Link(parse_bandwidth("1200gbit"), 5e-6),
+        inter=Link(parse_bandwidth("25gbit"), 2e-5),
+        flops_per_s=39e12,
+    )
+
+
+def nic_per_gpu(cluster: Cluster) -> Cluster:
+    """``cluster`` with a network port per rank ([Note: a NIC per node])."""
+    name = f"{cluster.name}, NIC per GPU"
+    return dataclasses.replace(cluster, name=name, inter_ports_per_node=cluster.ranks_per_node)
+
+
+@dataclass(frozen=True)
+class GPTRun:
+    """One of the paper's GPT throughput experiments.
+
+    The shapes are assumed (the paper names its models by parameter count): 48 layers of
+    width 2560 with 40 heads is the shape of Megatron-LM's 3.9B (BERT) model; the 2.2B one
+    is the same width at 24 layers. syncline's GPT does not tie the head to the embedding,
+    so the counts come out 2.15B and 4.04B. The batch sizes are assumed too (within the
+    range the paper sweeps).
+    """
+
+    model: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    ranks: int
+    batch_size: int
+    paper_depth: int
+    """The pipeline depth (model-parallel ways) the paper's figure runs at these ranks."""
+
+    def costs(self, cluster: Cluster) -> ModelCosts:
+        assert cluster.flops_per_s is not None
+        return transformer_costs(
+            n_layer=self.n_layer,
+            n_embd=self.n_embd,
+            n_head=self.n_head,
+            seq_len=PAPER_2BW["sequence_length"],
+            vocab_size=50257,
+            flops_per_s=cluster.flops_per_s,
+            name=self.model,
+        )
+
+
+GPT_RUNS = (
+    GPTRun("gpt-2.2b", 24, 2560, 40, ranks=8, batch_size=64, paper_depth=8),
+    GPTRun("gpt-2.2b", 24, 2560, 40, ranks=64, batch_size=512, paper_depth=8),
+    GPTRun("gpt-3.9b", 48, 2560, 40, ranks=64, batch_size=512, paper_depth=16),
+)
+
+
+def _summary(p: Prediction) -> dict[str, Any]:
+    c = p.config
+    return {
+        "label": c.describe(),
+        "depth": c.stages,
+        "width": c.width,
+        "microbatches": c.microbatches,
+        "microbatch_size": c.microbatch_size,
+        "recompute": c.recompute,
+        "samples_per_s": p.samples_per_s,
+        "step_s": p.step_s,
+        "peak_gib": p.peak_bytes / GiB,
+        "fits": p.fits,
+        "breakdown_s": p.breakdown,
+    }
+
+
+def gpt_row(run: GPTRun, cluster: Cluster, max_microbatches: int = 64) -> dict[str, Any]:
+    """The planner's pick for ``run``, the best fitting configuration of each schedule, and
+    the same configurations re-predicted with a NIC per GPU."""
+    costs = run.costs(cluster)
+    space = SearchSpace(
+        ranks=run.ranks,
+        batch_size=run.batch_size,
+        compressions=("none",),
+        schedules=SCHEDULES,
+        max_microbatches=max_microbatches,
+    )
+    ranked = search(space, costs, cluster)
+    best = {}
+    for name in SCHEDULES:
+        fitting = [p for p in ranked if p.fits and p.config.schedule == name]
+        if fitting:
+            best[name] = fitting[0]
+    data_parallel = next(p for p in ranked if p.config.stages == 1)
+    ported = nic_per_gpu(cluster)
+    rate = {name: p.samples_per_s for name, p in best.items()}
+    return {
+        "model": run.model,
+        "params": costs.params,
+        "ranks": run.ranks,
+        "batch_size": run.batch_size,
+        "candidates": len(ranked),
+        "pick": _summary(ranked[0]),
+        "data_parallel": _summary(data_parallel),
+        "best_per_schedule": {name: _summary(p) for name, p in best.items()},
+        "speedup_2bw_over_gpipe": ratio(rate.get("2bw"), rate.get("gpipe")),
+        "speedup_2bw_over_1f1b": ratio(rate.get("2bw"), rate.get("1f1b")),
+        "nic_per_gpu_samples_per_s": {
+            name: predict(costs, ported, p.config).samples_per_s for name, p in best.items()
+        },
+        "paper_depth": run.paper_depth,
+        "paper_width": run.ranks // run.paper_depth,
+    }
+
+
+# --- GradientFlow ---------------------------------------------------------------------------
+
+# torchvision's AlexNet: (layer, forward multiply-adds per 224x224 image, parameters, outputs)
+ALEXNET = (
+    ("conv1", 70.3e6, 23_296, 64 * 55 * 55),
+    ("conv2", 223.9e6, 307_392, 192 * 27 * 27),
+    ("conv3", 112.1e6, 663_936, 384 * 13 * 13),
+    ("conv4", 149.5e6, 884_992, 256 * 13 * 13),
+    ("conv5", 99.7e6, 590_080, 256 * 13 * 13),
+    ("fc6", 37.7e6, 37_752_832, 4096),
+    ("fc7", 16.8e6, 16_781_312, 4096),
+    ("fc8", 4.1e6, 4_097_000, 1000),
+)
+
+
+def alexnet_costs(images_per_s: float) -> ModelCosts:
+    """AlexNet (61.1M parameters) at ``images_per_s`` on one GPU, fp16 gradients.
+
+    Assumed: a layer's time is its share of the multiply-adds (fully connected layers are
+    in truth memory-bound, so this moves some time from them to the convolutions), backward
+    twice forward, activations 2 fp16 values per output kept.
+    """
+    total = sum(macs for _, macs, _, _ in ALEXNET)
+    per_image = 1.0 / images_per_s
+    layers = tuple(
+        LayerCost(
+            name,
+            Affine(0.0, per_image / 3 * macs / total),
+            Affine(0.0, per_image * 2 / 3 * macs / total),
+            params,
+            activation_bytes=4.0 * outputs,
+            output_bytes=2.0 * outputs,
+        )
+        for name, macs, params, outputs in ALEXNET
+    )
+    return ModelCosts("alexnet", layers, input_bytes=3 * 224 * 224 * 2.0, param_bytes=2)
+
+
+def gradientflow_cluster() -> Cluster:
+    """8 V100s per server (published), 56 Gbit/s between servers (published).
+
+    Assumed: NVLink as in :func:`pipedream_cluster`; 5 us a message inside a server and
+    10 us between (InfiniBand-class, not measured); memory 16 GB (AlexNet fits anyway).
+    """
+    return Cluster(
+        "GradientFlow V100 x8",
+        ranks_per_node=8,
+        memory_per_rank=parse_size("16GB"),
+        intra=Link(parse_bandwidth("1200gbit"), 5e-6),
+        inter=Link(parse_bandwidth(f"{PAPER_GRADIENTFLOW['network_gbit']}gbit"), 1e-5),
+    )
+
+
+LAZY_CAP_MB = 64.0  # Horovod's fusion threshold; the paper's own threshold is not used here
+VARIANTS: dict[str, dict[str, Any]] = {
+    "per-layer": {"bucket_cap_mb": 1e-6, "first_bucket_cap_mb": 1e-6},
+    "lazy": {"bucket_cap_mb": LAZY_CAP_MB, "first_bucket_cap_mb": LAZY_CAP_MB},
+    "lazy+csc": {
+        "bucket_cap_mb": LAZY_CAP_MB,
+        "first_bucket_cap_mb": LAZY_CAP_MB,
+        "compression": "csc:0.01",
+    },
+}
+"""Per layer: an allreduce as each layer's gradient is ready. Lazy: fused into 64 MiB
+buckets. CSC: syncline's default density (1 %) and chunk (32768 elements)."""
+
+
+def gradientflow_rows(ranks: Sequence[int], per_gpu_batch: int = 128) -> dict[str, Any]:
+    """Samples/s and scaling efficiency per rank count and variant: flat ring allreduce (the
+    paper's), and hierarchical, both over one NIC per node ([Note: a NIC per node]).
+
+    Assumed: ``per_gpu_batch`` images per GPU (64K at 512 GPUs), SGD, no step overhead.
+    """
+    derived = _derived_gradientflow()
+    costs = alexnet_costs(derived["images_per_s_1"])
+    flat = gradientflow_cluster()
+    single = predict(costs, flat, Configuration(1, per_gpu_batch, optimizer="sgd"))
+    rows = []
+    for n in ranks:
+        for algorithm, cluster in (("flat", flat), ("hierarchical", flat)):
+            for variant, options in VARIANTS.items():
+                config = Configuration(
+                    n, n * per_gpu_batch, optimizer="sgd", allreduce=algorithm, **options
+                )
+                p = predict(costs, cluster, config)
+                rows.append(
+                    {
+                        "ranks": n,
+                        "allreduce": algorithm,
+                        "variant": variant,
+                        "samples_per_s": p.samples_per_s,
+                        "efficiency": p.samples_per_s / (n * single.samples_per_s),
+                        "exposed_allreduce_s": p.breakdown["allreduce"],
+                        "step_s": p.step_s,
+                        "minutes_95_epochs": 95 * IMAGENET_TRAIN_IMAGES / p.samples_per_s / 60,
+                    }
+                )
+    return {
+        "params": costs.params,
+        "per_gpu_batch": per_gpu_batch,
+        "single_gpu_samples_per_s": single.samples_per_s,
+        "derived_from_paper": derived,
+        "rows": rows,
+    }
+
+
+# --- report -----------------------------------------------------------------------------
+
+
+def _times(value: float | None) -> str:
+    return f"{'-':>10}" if value is None else f"{value:>10.2f}"
+
+
+def pipedream_table(rows: Sequence[dict[str, Any]]) -> str:
+    head = (
+        f"{'model':<9}{'GPUs':>5}{'batch':>6}  {'planner pick':<30}{'paper d x w':>12}"
+        f"{'2BW/GPipe':>10}{'2BW/Flush':>10}  best per schedule (samples/s)"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        best = r["best_per_schedule"]
+        pick = f"{r['pick']['label']} b={r['pick']['microbatch_size']}"
+        rates = " ".join(f"{n} {best[n]['samples_per_s']:.0f}" for n in SCHEDULES if n in best)
+        lines.append(
+            f"{r['model']:<9}{r['ranks']:>5}{r['batch_size']:>6}  {pick:<30}"
+            f"{r['paper_depth']:>7}x{r['paper_width']:<4}{_times(r['speedup_2bw_over_gpipe'])}"
+            f"{_times(r['speedup_2bw_over_1f1b'])}  {rates}"
+        )
+    lines.append(
+        f"paper: 2BW up to {PAPER_2BW['speedup_2bw_over_gpipe_up_to']}x over GPipe; "
+        f"order {PAPER_2BW['order']}"
+    )
+    return "\n".join(lines)
+
+
+def gradientflow_table(doc: dict[str, Any]) -> str:
+    by = {(r["ranks"], r["allreduce"], r["variant"]): r for r in doc["rows"]}
+    ranks = sorted({r["ranks"] for r in doc["rows"]})
+    cols = [("flat", v) for v in VARIANTS] + [("hierarchical", v) for v in VARIANTS]
+    head = f"{'GPUs':>5}" + "".join(
+        f"{('hier ' if a == 'hierarchical' else '') + v:>16}" for a, v in cols
+    )
+    paper = PAPER_GRADIENTFLOW
+    derived = doc["derived_from_paper"]
+    lines = ["scaling efficiency (images/s in thousands)", head, "-" * len(head)]
+    for n in ranks:
+        cells = "".join(
+            f"{by[n, a, v]['efficiency']:>9.0%} ({by[n, a, v]['samples_per_s'] / 1e3:>4.0f})"
+            for a, v in cols
+        )
+        lines.append(f"{n:>5}{cells}")
+    lines.append(
+        f"paper: {paper['speedup_512'] / paper['gpus']:.0%} at 512 GPUs "
+        f"({derived['images_per_s_512'] / 1e3:.0f}k images/s, {paper['minutes']} min for "
+        f"{paper['epochs']} epochs); off-the-shelf {paper['baseline_speedup_64']}x at 64 GPUs"
+    )
+    top = by[max(ranks), "flat", "lazy+csc"]
+    lines.append(f"ours, flat lazy+csc at {max(ranks)}: {top['minutes_95_epochs']:.1f} min")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.planner_papers", description=__doc__)
+    ap.add_argument("--max-microbatches", type=int, default=64)
+    ap.add_argument("--gf-ranks", default="8,16,32,64,128,256,512")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
+    cluster = pipedream_cluster()
+    gpt = [gpt_row(run, cluster, a.max_microbatches) for run in GPT_RUNS]
+    gf = gradientflow_rows([int(n) for n in a.gf_ranks.split(",")])
+    print(pipedream_table(gpt))
+    print()
+    print(gradientflow_table(gf))
+    doc = {
+        "pipedream_2bw": {
+            "paper": PAPER_2BW,
+            "cluster": cluster.to_dict(),
+            "max_microbatches": a.max_microbatches,
+            "rows": gpt,
+        },
+        "gradientflow": {
+            "paper": PAPER_GRADIENTFLOW,
+            "cluster": gradientflow_cluster().to_dict(),
+            "variants": VARIANTS,
+            **gf,
+        },
+    }
+    if a.out is not None:
+        write_json(a.out, doc, indent=2)
+    return 0
