@@ -35,7 +35,8 @@ def test_profile_measures_this_machine(profiled: tuple[Path, dict[str, Any]]) ->
     doc = json.loads(path.read_text())
     cluster, model = doc["cluster"], doc["model"]
     assert cluster["ranks_per_node"] == 2
-    assert cluster["intra"]["bandwidth"] > 1e6 and 0 < cluster["intra"]["latency_s"] < 0.1
+    # (the least-squares latency is clipped at 0 when noise makes the intercept negative)
+    assert cluster["intra"]["bandwidth"] > 1e6 and 0 <= cluster["intra"]["latency_s"] < 0.1
     assert 50 * 2**20 < cluster["base_memory"] < cluster["memory_per_rank"]
     assert set(cluster["compress_s_per_byte"]) >= {"none", "fp16", "csc", "topk"}
     # embedding, two blocks, head: each with a positive forward and backward cost (fitted
@@ -58,8 +59,7 @@ def test_candidates_are_ranked_and_runnable(profiled: tuple[Path, dict[str, Any]
     # best first: by time with lossy compressors charged 5 %, up to 0.5 % ties
     lossy = ("csc", "topk", "powersgd")
     charged = [
-        c["predicted_step_s"] * (1.05 if c["compression"].startswith(lossy) else 1.0)
-        for c in cands
+        c["predicted_step_s"] * (1.05 if c["compression"].startswith(lossy) else 1.0) for c in cands
     ]
     assert all(a <= b * 1.005**2 for a, b in itertools.pairwise(charged))
     for c in cands:
