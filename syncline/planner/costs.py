@@ -9,13 +9,13 @@ pipeline cuts (``syncline train --balance`` counts them), in order.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from syncline.errors import ConfigError
+from syncline.planner.hardware import read_section
 
 __all__ = ["Affine", "LayerCost", "ModelCosts", "transformer_costs"]
 
@@ -135,15 +135,7 @@ class ModelCosts:
         Raises:
             ConfigError: unreadable, or not valid costs.
         """
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"model costs {str(path)!r} cannot be read: {exc}") from None
-        if isinstance(data, dict) and "model" in data:
-            data = data["model"]
-        if not isinstance(data, dict):
-            raise ConfigError(f"model costs {str(path)!r} do not hold a JSON object")
-        return cls.from_dict(data)
+        return cls.from_dict(read_section(path, "model", "model costs"))
 
 
 def transformer_costs(

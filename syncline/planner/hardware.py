@@ -256,12 +256,22 @@ class Cluster:
         Raises:
             ConfigError: the file cannot be read or is not a valid description.
         """
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"cluster file {str(path)!r} cannot be read: {exc}") from None
-        if isinstance(data, dict) and "cluster" in data:
-            data = data["cluster"]
-        if not isinstance(data, dict):
-            raise ConfigError(f"cluster file {str(path)!r} does not hold a JSON object")
-        return cls.from_dict(data)
+        return cls.from_dict(read_section(path, "cluster", "cluster file"))
+
+
+def read_section(path: str | Path, key: str, what: str) -> dict[str, Any]:
+    """The JSON object in ``path``, or the one under ``key`` when the file is a whole
+    profile (``{"cluster": ..., "model": ...}``).
+
+    Raises:
+        ConfigError: the file cannot be read or holds no JSON object.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{what} {str(path)!r} cannot be read: {exc}") from None
+    if isinstance(data, dict) and key in data:
+        data = data[key]
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} {str(path)!r} does not hold a JSON object")
+    return data
