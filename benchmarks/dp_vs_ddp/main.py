@@ -55,8 +55,8 @@ from syncline.models import model_loss
 from syncline.testing import run_ranks
 from syncline.testing.bench import abba, merge_results, paired_ratios, read_results
 from syncline.testing.emulated import run_ranks_emulated
+from syncline.train.common import build_dataset, build_model_for
 from syncline.train.config import TrainConfig
-from syncline.train.trainer import build_dataset, build_model_for
 
 MODELS = {
     "gpt": TrainConfig(model="gpt", batch_size=32),

@@ -51,24 +51,34 @@ def plan(network: str, model: list[str], batch: int, out: Path) -> dict[str, Any
 
 
 def spread(candidates: list[dict[str, Any]], top: int, count: int) -> list[dict[str, Any]]:
-    """The ``top`` best, then others evenly spaced over the ranking (fitting ones only), each
-    kind (dp, each schedule) represented once before any repeats."""
+    """The ``top`` best, then others whose predicted step times are evenly spaced between
+    the best's and the slowest fitting one's (fitting ones only; at each point the nearest
+    not yet chosen, a kind (dp compressor, schedule) not yet measured first when as near).
+
+    Spaced by predicted time, not by place in the ranking: the ranking is dense with near
+    ties at the top, and a rank correlation over configurations whose true times differ
+    less than the machine's run-to-run noise measures the noise, not the planner.
+    """
     fitting = [c for c in candidates if c["fits"]]
     chosen = fitting[:top]
     rest = fitting[top:]
-    kinds: dict[str, dict[str, Any]] = {}
-    for c in rest:
-        kind = c["schedule"] or f"dp {c['compression']}"
-        kinds.setdefault(kind, c)
-    for c in kinds.values():
-        if len(chosen) < count and c not in chosen:
-            chosen.append(c)
-    step = max(1, len(rest) // max(1, count - len(chosen)))
-    for c in rest[::step]:
-        if len(chosen) >= count:
+    if not rest or len(chosen) >= count:
+        return chosen[:count]
+    lo, hi = rest[0]["predicted_step_s"], max(c["predicted_step_s"] for c in rest)
+    points = count - len(chosen)
+    for j in range(points):
+        target = lo + (hi - lo) * (j + 1) / points
+        seen = {c["schedule"] or f"dp {c['compression']}" for c in chosen}
+        pool = [c for c in rest if c not in chosen]
+        if not pool:
             break
-        if c not in chosen:
-            chosen.append(c)
+
+        def distance(c: dict[str, Any], target: float = target, seen: set[str] = seen) -> float:
+            kind = c["schedule"] or f"dp {c['compression']}"
+            # a new kind wins over a repeat up to 5 % of the span away
+            return abs(c["predicted_step_s"] - target) + (0.05 * (hi - lo) if kind in seen else 0)
+
+        chosen.append(min(pool, key=distance))
     return chosen
 
 
@@ -162,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--configs", type=int, default=8, help="configurations per network")
     ap.add_argument("--top", type=int, default=3, help="of which the planner's best")
-    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3, help="runs of each configuration, in turns")
     ap.add_argument("--skip", type=int, default=4, help="first steps left out of the median")
     ap.add_argument("--work", type=Path, default=Path("runs/bench-planner"))

@@ -160,6 +160,8 @@ _MAY_CHANGE_ON_RESUME = frozenset(
         "resume",
         "max_restarts",
         "log_every",
+        "eval_every",
+        "eval_batches",
         "timeout_s",
         "threads",
         "rdzv_endpoint",
@@ -252,7 +254,15 @@ def cmd_train(ns: argparse.Namespace) -> int:
     )
     print(
         f"syncline train: {cfg.model} on {cfg.dataset}, {cfg.world_size} rank(s){pipeline}, "
-        f"global batch {cfg.batch_size}, {cfg.steps} steps -> {run_dir}",
+        f"global batch {cfg.batch_size}, {cfg.steps} steps -> {run_dir}\n"
+        f"optimizer {cfg.optimizer}, peak learning rate {cfg.peak_lr:.6g}"
+        + (
+            f" (lr {cfg.lr:g} x {cfg.lr_scaling} scaling from batch {cfg.base_batch_size} "
+            f"to {cfg.batch_size})"
+            if cfg.lr_scaling != "none" and cfg.base_batch_size not in (None, cfg.batch_size)
+            else ""
+        )
+        + f", warm-up {cfg.warmup_steps} steps",
         flush=True,
     )
     spec = LaunchSpec(

@@ -16,6 +16,8 @@ _EXPORTS = {
     "TensorPairDataset": "syncline.data.dataset",
     "digits_dataset": "syncline.data.images",
     "synthetic_images": "syncline.data.images",
+    "IndexRange": "syncline.data.heldout",
+    "holdout": "syncline.data.heldout",
     "ShardedBatches": "syncline.data.sampler",
     "step_seed": "syncline.data.sampler",
     "ByteDataset": "syncline.data.text",

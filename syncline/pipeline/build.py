@@ -6,7 +6,8 @@ micro-batch) and broadcast, so every rank cuts alike (with replicas, the first p
 profile wins). A model built on the meta device is profiled one layer at a time (each a
 throw-away real copy, :func:`~syncline.models.meta_init.materialized_copy`), and each rank
 then materialises only its own stages' layers from per-layer seeds, so no rank ever holds
-the whole model.
+the whole model; a model split at named modules is traced on the meta device and each rank
+materialises the modules of its own stages, seeded by name.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from torch import nn
 from syncline import comm
 from syncline.errors import ConfigError
 from syncline.models.meta_init import LayerInit, materialize_layers, materialized_copy
+from syncline.models.meta_modules import ModuleInit, materialize_named
 from syncline.partition import balance as balance_costs
 from syncline.partition import check_balance, stage_bounds
 from syncline.pipeline.profile import profile_layers
 from syncline.pipeline.replicas import StageReplicas
 from syncline.pipeline.split import stage_modules
 from syncline.pipeline.stage import Stage
-from syncline.pipeline.trace import TracedModel, trace_model
+from syncline.pipeline.trace import TracedModel, retarget, trace_model
 from syncline.pipeline.traced_stage import traced_stages
 
 
@@ -91,13 +93,17 @@ def build_traced_stages(
     stages: Sequence[int],
     *,
     device: torch.device,
+    seed: int,
+    init: ModuleInit | None,
     replicas: StageReplicas | None,
     shape: Sequence[int],
     make_stage: Callable[[int, nn.Module], Stage],
 ) -> tuple[TracedModel, dict[int, Stage]]:
     """``module`` split at ``split_points`` on ``example`` (one micro-batch, a dict of the
     model's inputs) and this rank's ``stages`` of it (:mod:`syncline.pipeline.traced_stage`)
-    on ``device``; with replicas, the first one's weights (as :func:`build_stages`).
+    on ``device``; with replicas, the first one's weights (as :func:`build_stages`). A model
+    on the meta device is traced on the example's shapes, and only this rank's stages are
+    materialised, each module from its own seed (:mod:`syncline.models.meta_modules`).
 
     Raises:
         ConfigError: ``example`` is not a dict, or the trace fails (see ``trace_model``).
@@ -107,7 +113,19 @@ def build_traced_stages(
             "a pipeline with split_points takes batches (inputs, targets) whose inputs are a "
             f"dict of the model's arguments, got {type(example).__name__}"
         )
+    on_meta = any(t.is_meta for t in module.parameters())
+    if on_meta:  # traced on shapes alone: no rank ever holds the whole model
+        example = {
+            k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in example.items()
+        }
     traced = trace_model(module, split_points, example)
+    if on_meta:
+        for s in stages:
+            part = traced.stages[s]
+            materialize_named(
+                part, module, traced.canonical[s], device=device, seed=seed, init=init
+            )
+            retarget(part, device)
     parts = {s: m.to(device) for s, m in traced_stages(traced, stages).items()}
     if replicas is not None:
         replicas.join(dict(parts), shape)

@@ -60,10 +60,12 @@ def _check_split_points(module: object, config: PipelineConfig, points: list[str
             f"split_points={points}: {unknown or 'repeated names'}; valid: distinct names "
             f"from model.named_modules(), e.g. {[n for n in names if n][:4]}"
         )
-    if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+    on_meta = {t.is_meta for t in [*module.parameters(), *module.buffers()]}
+    if len(on_meta) > 1:
         raise ConfigError(
-            "a model on the meta device cannot be traced at split_points yet; materialise it "
-            "first, or use an nn.Sequential with init= (stage-only materialisation)"
+            f"{type(module).__name__} has tensors both on the meta device and off it; with "
+            "split_points build it wholly under torch.device('meta') (each rank then "
+            "materialises its stages only) or wholly on a real device"
         )
 
 

@@ -25,7 +25,7 @@ import time
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -35,6 +35,7 @@ from syncline.comm.p2p import PointToPoint
 from syncline.dp.compression import Compressor
 from syncline.errors import CommError, ConfigError
 from syncline.models.meta_init import LayerInit
+from syncline.models.meta_modules import ModuleInit
 from syncline.partition import stage_bounds
 from syncline.pipeline.actions import ActionHandlers
 from syncline.pipeline.batches import Batch, Inputs, split_inputs, take_batch, to_device
@@ -91,7 +92,7 @@ class Pipeline(ActionHandlers):
             the traced shape. Any values may cross a split (several, of any dtype);
             weights shared across stages (GPT-2's tied embedding and head) keep a copy on
             each stage with their gradients summed before every step
-            (:mod:`syncline.pipeline.tied`). ``balance`` and ``init`` do not apply.
+            (:mod:`syncline.pipeline.tied`). ``balance`` does not apply; ``init``: below.
         num_stages: pipeline depth; the group's size (interleaved: a multiple >= 2 of it,
             ``num_stages // size`` stages per rank).
         num_microbatches: m, micro-batches per batch (2BW: m >= num_stages).
@@ -120,7 +121,8 @@ class Pipeline(ActionHandlers):
             materialises only its stages' layers, layer ``index`` of the full model from
             its own seed (:mod:`syncline.models.meta_init`; default ``reset_parameters``),
             so the weights do not depend on the split. Layers not on the meta device keep
-            their values.
+            their values. With ``split_points``: ``init(name, module)`` per module, seeded
+            by name (:mod:`syncline.models.meta_modules`; HF: ``model._init_weights``).
         seed: the run's seed for that (``materialize(model, seed=...)`` gives the same
             full model in one process).
         track_memory: measure stashed activations for :meth:`memory_stats` with autograd
@@ -161,7 +163,7 @@ class Pipeline(ActionHandlers):
         track_memory: bool = False,
         data_parallel_group: comm.Group = None,
         compression: Compressor | None = None,
-        init: LayerInit | None = None,
+        init: LayerInit | ModuleInit | None = None,
         seed: int = 0,
         split_points: Sequence[str] | None = None,
     ) -> None:
@@ -359,7 +361,7 @@ class Pipeline(ActionHandlers):
                 profiled_split(
                     self._module, sample.to(self._device), self._d, rank=self._rank,
                     group=self._group, replicas=self._replicas, timeout_s=self._timeout_s,
-                    seed=self._seed, init=self._init,
+                    seed=self._seed, init=cast(LayerInit | None, self._init),
                 )
             )  # fmt: skip
         nxt = None
@@ -457,8 +459,8 @@ class Pipeline(ActionHandlers):
         assert isinstance(self._module, nn.Sequential)
         self._stages = build_stages(
             self._module, split, self.stages, device=self._device, seed=self._seed,
-            init=self._init, replicas=self._replicas, shape=self._shape(),
-            make_stage=self._make_stage,
+            init=cast(LayerInit | None, self._init), replicas=self._replicas,
+            shape=self._shape(), make_stage=self._make_stage,
         )  # fmt: skip
         self._balance = split
 
@@ -468,6 +470,7 @@ class Pipeline(ActionHandlers):
         assert self._split_points is not None
         traced, self._stages = build_traced_stages(
             self._module, self._split_points, example, self.stages, device=self._device,
+            seed=self._seed, init=cast(ModuleInit | None, self._init),
             replicas=self._replicas, shape=self._shape(), make_stage=self._make_stage,
         )  # fmt: skip
         self._tied = TiedGradients(

@@ -193,6 +193,27 @@ def trace_model(
     )
 
 
+def retarget(stage: nn.Module, device: torch.device) -> None:
+    """Make a stage traced on the meta device compute on ``device``: the trace bakes the
+    example's device into the graph (``arange(..., device=meta)``, ``to(device=meta)``), so
+    every such argument is rewritten and the code regenerated."""
+    meta = torch.device("meta")
+
+    def swap(arg: Any) -> Any:
+        return device if isinstance(arg, torch.device) and arg == meta else arg
+
+    seen: set[int] = set()
+    for module in stage.modules():
+        for gm in (module, getattr(module, "graph_module", None)):
+            if not isinstance(gm, fx.GraphModule) or id(gm) in seen:
+                continue
+            seen.add(id(gm))
+            for node in gm.graph.nodes:
+                node.args = fx.node.map_aggregate(node.args, swap)
+                node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
+            gm.recompile()
+
+
 def _canonical_names(model: nn.Module) -> dict[str, str]:
     """Every name of every parameter and buffer -> its first name (tied ones share one)."""
     first: dict[int, str] = {}

@@ -15,21 +15,25 @@ from typing import Any
 import torch
 from torch import nn
 
+from syncline.data.heldout import holdout
 from syncline.data.registry import build_dataset as build_registered_dataset
 from syncline.dp.compression import Compressor
 from syncline.errors import ConfigError
 from syncline.models.meta_init import LayerInit, materialize
+from syncline.optim import Lamb, Lars
 from syncline.registry import resolve
 from syncline.train.config import TrainConfig
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
-    """Linear warm-up (Goyal et al. 2017), then cosine decay to 10 % of ``cfg.lr``."""
+    """Linear warm-up (Goyal et al. 2017), then cosine decay to 10 % of the peak
+    (``cfg.peak_lr``: ``lr`` scaled to the batch by ``lr_scaling``)."""
+    peak = cfg.peak_lr
     if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
+        return peak * (step + 1) / cfg.warmup_steps
     span = max(1, cfg.steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / span)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def build_model_for(cfg: TrainConfig, *, meta: bool = False) -> nn.Module:
@@ -65,8 +69,17 @@ def layer_init_for(cfg: TrainConfig) -> LayerInit | None:
 
 
 def build_dataset(cfg: TrainConfig) -> tuple[Any, int]:
-    """The configured data set and the number of tokens per sample (1 for images)."""
-    return build_registered_dataset(cfg.dataset, cfg.seq_len, cfg.seed)
+    """The configured data set's training part and the tokens per sample (1 for images)."""
+    train, _, tokens = build_datasets(cfg)
+    return train, tokens
+
+
+def build_datasets(cfg: TrainConfig) -> tuple[Any, Any | None, int]:
+    """``(train, validation, tokens per sample)``: the configured data set with its last
+    ``cfg.val_fraction`` held out (``None`` when nothing is)."""
+    dataset, tokens = build_registered_dataset(cfg.dataset, cfg.seq_len, cfg.seed)
+    train, val = holdout(dataset, cfg.val_fraction)
+    return train, val, tokens
 
 
 def make_optimizer(
@@ -78,10 +91,15 @@ def make_optimizer(
     CSC applies momentum *before* sparsification (momentum correction, Lin et al. 2018), so
     the optimizer must not apply it a second time.
     """
+    lr, decay = cfg.peak_lr, cfg.weight_decay
+    momentum = 0.0 if compressor is not None and cfg.owns_momentum else cfg.momentum
     if cfg.optimizer == "sgd":
-        momentum = 0.0 if compressor is not None and cfg.owns_momentum else cfg.momentum
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=momentum, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=decay)
+    if cfg.optimizer == "lars":
+        return Lars(params, lr=lr, momentum=momentum, weight_decay=decay)
+    if cfg.optimizer == "lamb":
+        return Lamb(params, lr=lr, weight_decay=decay)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=decay)
 
 
 def set_lr(optimizers: list[torch.optim.Optimizer], lr: float) -> None:

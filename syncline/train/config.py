@@ -22,9 +22,10 @@ from syncline.partition import check_balance
 from syncline.pipeline.config import DEFAULT_SCHEDULE
 from syncline.schedule.registry import SCHEDULES, ScheduleSpec, check_microbatches
 
-__all__ = ["BACKENDS", "FAILURE_PHASES", "OPTIMIZERS", "TrainConfig"]
+__all__ = ["BACKENDS", "FAILURE_PHASES", "LR_SCALINGS", "OPTIMIZERS", "TrainConfig"]
 
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "sgd", "lars", "lamb")
+LR_SCALINGS = ("none", "linear", "sqrt")
 #: where ``--inject-failure RANK:STEP:PHASE`` strikes: ``start`` (exit code 17 before the
 #: step), or SIGKILL ``forward`` (inside the model's forward), ``allreduce`` (in backward,
 #: while the peers wait in the gradient allreduce; a pipeline with replicas: in its stage's
@@ -36,6 +37,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 _MODEL, _OPT, _DP = "model and data", "optimisation", "data parallelism"
 _PP, _LAUNCH, _OUT = "pipeline parallelism", "launch (passed to torchrun)", "output"
 _CKPT = "checkpoints and failures"
+_EVAL = "validation"
 
 
 def _layers_per_stage(text: str) -> tuple[int, ...]:
@@ -76,11 +78,21 @@ class TrainConfig:
     steps: int = option(300, group=_OPT)
     """Optimizer steps."""
     lr: float = option(3e-3, group=_OPT)
-    """Peak learning rate (linear warm-up, then cosine decay to 10 %)."""
+    """Peak learning rate at ``base_batch_size`` (linear warm-up, then cosine decay to 10 %);
+    ``lr_scaling`` scales it to ``batch_size``."""
+    lr_scaling: str = option("none", group=_OPT, choices=lambda: LR_SCALINGS)
+    """How the peak learning rate follows the batch: ``none``; ``linear``: lr x batch_size /
+    base_batch_size (Goyal et al. 2017, for SGD and LARS, with warm-up); ``sqrt``: lr x
+    sqrt(batch_size / base_batch_size) (for Adam and LAMB, You et al. 2019). The resolved
+    value is printed at the start and saved in summary.json."""
+    base_batch_size: int | None = option(None, group=_OPT, default_text="batch_size")
+    """The global batch ``lr`` was tuned for."""
     optimizer: str = option("adamw", group=_OPT, choices=lambda: OPTIMIZERS)
-    """``adamw`` or ``sgd``."""
+    """``adamw``, ``sgd``, ``lars`` (SGD with layer-wise trust ratios, You et al. 2017) or
+    ``lamb`` (Adam with layer-wise trust ratios, You et al. 2019): :mod:`syncline.optim`."""
     momentum: float = option(0.9, group=_OPT)
-    """SGD momentum, in [0, 1); moves into the compressor when it applies momentum itself."""
+    """SGD and LARS momentum, in [0, 1); moves into the compressor when it applies momentum
+    itself."""
     weight_decay: float = option(0.0, group=_OPT)
     """Decoupled weight decay."""
     warmup_steps: int = option(20, group=_OPT)
@@ -147,6 +159,17 @@ class TrainConfig:
     """Where config, metrics, plot and checkpoint go."""
     log_every: int = option(10, group=_OUT)
     """Print and record metrics every this many steps."""
+    val_fraction: float = option(0.05, group=_EVAL, metavar="F")
+    """Share of the data set held out for validation and never trained on (the end of a
+    text's token stream; the last samples of other data sets), in [0, 0.5]; 0 trains on
+    everything and needs ``eval_every`` 0."""
+    eval_every: int = option(100, group=_EVAL, metavar="N")
+    """Compute the validation loss (and a language model's perplexity) at step 0, every N
+    steps and at the last step, on every rank's shard of the held-out data, averaged; 0:
+    never. Recorded in metrics.jsonl, drawn on loss.png, the best in summary.json."""
+    eval_batches: int = option(4, group=_EVAL, metavar="K")
+    """Global batches of ``batch_size`` held-out samples per validation: the same K batches
+    every time, so the curve shows the model and not the sample."""
     inject_failure: str | None = option(None, group=_OUT, metavar="RANK:STEP")
     """Testing aid: make RANK fail at STEP, to see the job stop cleanly and name it: exit
     before the step, or with ``:PHASE`` die by SIGKILL inside it (``forward``,
@@ -178,8 +201,9 @@ class TrainConfig:
         DATASETS.get(self.dataset)
         for name in ("nproc_per_node", "nnodes", "batch_size", "steps", "seq_len", "threads"):
             check_positive_int(name, getattr(self, name))
-        for name in ("log_every", "pipeline_stages", "keep_checkpoints"):
+        for name in ("log_every", "pipeline_stages", "keep_checkpoints", "eval_batches"):
             check_positive_int(name, getattr(self, name))
+        self._check_validation()
         for name in ("checkpoint_every", "max_restarts"):
             value = getattr(self, name)
             if value is None and name == "checkpoint_every":
@@ -216,11 +240,29 @@ class TrainConfig:
             )
         self._check_checkpoints()
         self._check_launch()
+        if self.lr_scaling not in LR_SCALINGS:
+            raise ConfigError(
+                f"lr_scaling={self.lr_scaling!r} is not known; valid: {', '.join(LR_SCALINGS)}"
+            )
+        if self.base_batch_size is not None:
+            check_positive_int("base_batch_size", self.base_batch_size)
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(
                 f"optimizer={self.optimizer!r} is not known; valid: {', '.join(OPTIMIZERS)}"
             )
         parse(self.compression)  # the grammar; value ranges are the compressor's to check
+
+    def _check_validation(self) -> None:
+        f, every = self.val_fraction, self.eval_every
+        if isinstance(f, bool) or not isinstance(f, int | float) or not 0 <= f <= 0.5:
+            raise ConfigError(f"val_fraction={f!r} is invalid; valid: a number in [0, 0.5]")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ConfigError(f"eval_every={every!r} is invalid; valid: an integer >= 0")
+        if every and not f:
+            raise ConfigError(
+                f"eval_every={every} needs held-out data but val_fraction=0; valid: "
+                "val_fraction > 0, or eval_every=0"
+            )
 
     def _check_checkpoints(self) -> None:
         """Resolve ``checkpoint_every`` (None: every 100 steps)."""
@@ -289,6 +331,13 @@ class TrainConfig:
                 f"data-parallel replicas, and pipeline_stages={d} on {world} ranks has none; "
                 f"use a multiple of {d} ranks (e.g. --nproc-per-node {2 * d}) or --compression none"
             )
+
+    @property
+    def peak_lr(self) -> float:
+        """The peak learning rate ``lr`` scaled from ``base_batch_size`` to ``batch_size``."""
+        ratio = self.batch_size / (self.base_batch_size or self.batch_size)
+        factor: float = {"none": 1.0, "linear": ratio, "sqrt": ratio**0.5}[self.lr_scaling]
+        return float(self.lr * factor)
 
     @property
     def model_spec(self) -> ModelSpec:

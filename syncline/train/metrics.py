@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -24,6 +25,10 @@ class StepRecord:
     elapsed_s: float
     #: pipelines: ``wire_bytes`` by what was sent (activations, gradients, reduce)
     wire_split: dict[str, int] | None = None
+    #: the held-out loss after this step's update (steps that validate only)
+    val_loss: float | None = None
+    #: a language model's validation perplexity, ``exp(val_loss)``
+    val_ppl: float | None = None
 
 
 def timed_record(
@@ -39,11 +44,15 @@ def timed_record(
     collectives: int = 0,
     exposed_comm_s: float = 0.0,
     wire_split: dict[str, int] | None = None,
+    ended: float | None = None,
+    val_loss: float | None = None,
+    val_ppl: float | None = None,
 ) -> StepRecord:
-    """The record of a step that began at ``started`` (``time.perf_counter()``) and ends now;
-    both training loops (data parallel, pipeline) log through it, so the rates mean the same."""
+    """The record of a step that began at ``started`` (``time.perf_counter()``) and ended at
+    ``ended`` (default: now; a validation after the step is not the step's time); both
+    training loops (data parallel, pipeline) log through it, so the rates mean the same."""
     now = time.perf_counter()
-    dt = now - started
+    dt = (now if ended is None else ended) - started
     return StepRecord(
         step=step,
         loss=loss,
@@ -56,6 +65,8 @@ def timed_record(
         exposed_comm_s=exposed_comm_s,
         elapsed_s=now - run_started,
         wire_split=wire_split,
+        val_loss=val_loss,
+        val_ppl=val_ppl,
     )
 
 
@@ -96,7 +107,25 @@ def summarize(records: list[StepRecord], skip: int = 1) -> dict[str, Any]:
         "collectives_per_step": statistics.median(r.collectives for r in steady),
         "median_exposed_comm_s": statistics.median(r.exposed_comm_s for r in steady),
         "elapsed_s": records[-1].elapsed_s,
+        **_validation_summary(records),
     }
+
+
+def _validation_summary(records: list[StepRecord]) -> dict[str, Any]:
+    """The final and the best validation loss (and perplexity), when the run validated."""
+    validated = [r for r in records if r.val_loss is not None]
+    if not validated:
+        return {}
+    best = min(validated, key=lambda r: r.val_loss if r.val_loss is not None else math.inf)
+    out: dict[str, Any] = {
+        "first_val_loss": validated[0].val_loss,
+        "final_val_loss": validated[-1].val_loss,
+        "best_val_loss": best.val_loss,
+        "best_val_step": best.step,
+    }
+    if best.val_ppl is not None:
+        out.update(final_val_ppl=validated[-1].val_ppl, best_val_ppl=best.val_ppl)
+    return out
 
 
 def plot_loss(records: list[StepRecord], path: Path, title: str) -> Path:
@@ -107,9 +136,19 @@ def plot_loss(records: list[StepRecord], path: Path, title: str) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    ax.plot([r.step for r in records], [r.loss for r in records], lw=1.5)
+    ax.plot([r.step for r in records], [r.loss for r in records], lw=1.5, label="training")
+    validated = [r for r in records if r.val_loss is not None]
+    if validated:
+        ax.plot(
+            [r.step for r in validated],
+            [r.val_loss or 0.0 for r in validated],
+            "o-",
+            lw=1.5,
+            label="validation (held out)",
+        )
+        ax.legend()
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
+    ax.set_ylabel("loss")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()

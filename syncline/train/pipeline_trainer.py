@@ -35,7 +35,7 @@ from syncline.schedule import Event, Timeline, bubble_fraction, to_chrome_trace
 from syncline.train.checkpoint import save_checkpoint
 from syncline.train.common import (
     arm_failure,
-    build_dataset,
+    build_datasets,
     build_model_for,
     fail_if_injected,
     layer_init_for,
@@ -49,6 +49,7 @@ from syncline.train.plots import plot_schedule
 from syncline.train.progress import Progress, human_bytes
 from syncline.train.snapshots import SnapshotStore
 from syncline.train.state import capture_pipeline, read_meta, restore_pipeline
+from syncline.train.validation import Validation
 
 #: Steps (the last ones) whose actions go into trace.json and schedule.png: enough to see
 #: the steady state, bounded so that a long run does not write a huge file.
@@ -122,9 +123,10 @@ def train_pipeline(
             f"model {cfg.model!r} built a {type(model).__name__}; a pipeline cuts an "
             "nn.Sequential: valid: pipeline_stages=1, or a model built as nn.Sequential"
         )
-    dataset, tokens_per_sample = build_dataset(cfg)
+    dataset, held_out, tokens_per_sample = build_datasets(cfg)
     # global rank = stage * replicas + replica: every stage of replica j reads shard j
     shard = ShardedBatches(dataset, cfg.batch_size, rank % replicas, replicas, cfg.seed)
+    validation = Validation(cfg, held_out, rank % replicas, replicas, tokens_per_sample)
     group, data_parallel = pipeline_groups(cfg, world)
     store = SnapshotStore(
         Path(cfg.run_dir) / "checkpoints",
@@ -167,7 +169,11 @@ def train_pipeline(
         loss = pipe.train_step(batches)
         for handle in armed:
             handle.remove()
-        logged = step % cfg.log_every == 0 or step == cfg.steps - 1
+        t_end = time.perf_counter()
+        validated: dict[str, float] = {}
+        if validation.due(step):  # every rank; 2BW: on the newest weights, nothing disturbed
+            validated = validation.metrics(validation.pipeline_loss(pipe))
+        logged = step % cfg.log_every == 0 or step == cfg.steps - 1 or bool(validated)
         if logged:  # every rank: the job's bytes on the wire go into the record
             split = wire.per_step(step)
         if log is not None and progress is not None and logged:
@@ -181,9 +187,14 @@ def train_pipeline(
                 run_started=t_start,
                 wire_bytes=sum(split.values()),
                 wire_split=split,
+                ended=t_end,
+                val_loss=validated.get("val_loss"),
+                val_ppl=validated.get("val_ppl"),
             )
             log.append(record)
             progress.update(step, loss, record.samples_per_s, record.tokens_per_s, None)
+            if validated:
+                progress.validation(step, validated)
         done = step + 1
         if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
             pipe.flush()  # 2BW: its batches ended here, so nothing is in flight
@@ -370,6 +381,8 @@ def _finish(
     summary.update(
         model=cfg.model,
         data=cfg.dataset,
+        optimizer=cfg.optimizer,
+        peak_lr=cfg.peak_lr,
         world_size=world,
         parameters=sum(p.numel() for p in model.parameters()),
         schedule=cfg.schedule,

@@ -7,7 +7,10 @@ they are timed). Rank 0 writes ``OUT.json``: ``{"cluster": ..., "model": ...}``,
 the planner reads. What is measured, and how each number is fitted:
 
 - each layer's forward and backward at two micro-batch sizes, and the loss: ``fixed +
-  per_sample * b`` through the two points (``syncline.pipeline.profile``);
+  per_sample * b`` through the two points (``syncline.pipeline.profile``), scaled so that
+  the layers and the loss add up to the whole model's measured forward + backward at that
+  size (a layer timed alone, again and again, runs from warm caches and without the
+  autograd engine's walk over the whole graph; a training step has neither);
 - the optimizer step over all parameters (per parameter), copying a weight version (per byte),
   and fetching a batch (the step's overhead outside the model);
 - each compressor's local work on the model's gradient buckets (world size 1, before the
@@ -93,6 +96,7 @@ def _model_costs(
     dataset, tokens = build_dataset(cfg)
     loss_fn = model_loss(cfg.model)
     profiles, losses, samples = [], [], []
+    scales: list[float] = []  # the whole model's forward + backward over the sum of its parts
     for b in sizes:
         x, y = ShardedBatches(dataset, b * world, rank, world, cfg.seed).batch(0)
         samples.append(x)
@@ -105,10 +109,19 @@ def _model_costs(
             loss_fn(z, y).backward()
 
         losses.append(_median_time(loss_step))
-    (b1, b2), (p1, p2) = sizes, profiles
+
+        def whole(x: torch.Tensor = x, y: torch.Tensor = y) -> None:
+            model.zero_grad(set_to_none=True)
+            loss_fn(model(x), y).backward()
+
+        parts = sum(profiles[-1].seconds) + losses[-1]
+        scales.append(_median_time(whole) / parts if parts > 0 else 1.0)
+    model.zero_grad(set_to_none=True)
+    (b1, b2), (p1, p2), (s1, s2) = sizes, profiles, scales
+    losses = [losses[0] * s1, losses[1] * s2]
     layers = []
     for i, layer in enumerate(model):
-        f1, f2 = p1.forward_seconds[i], p2.forward_seconds[i]
+        f1, f2 = p1.forward_seconds[i] * s1, p2.forward_seconds[i] * s2
         matrices = tuple(
             (int(p.shape[0]), int(p.numel() // p.shape[0]))
             for p in layer.parameters()
@@ -118,7 +131,7 @@ def _model_costs(
             LayerCost(
                 name=f"{i}:{type(layer).__name__}",
                 forward=Affine.fit(b1, f1, b2, f2),
-                backward=Affine.fit(b1, p1.seconds[i] - f1, b2, p2.seconds[i] - f2),
+                backward=Affine.fit(b1, p1.seconds[i] * s1 - f1, b2, p2.seconds[i] * s2 - f2),
                 params=p2.params[i],
                 activation_bytes=p2.activation_bytes[i] / b2,
                 output_bytes=p2.output_bytes[i] / b2,

@@ -45,6 +45,16 @@ class Progress:
             self.stream.write(text + "\n")
         self.stream.flush()
 
+    def validation(self, step: int, metrics: dict[str, float]) -> None:
+        """One plain line with the validation figures of ``step`` (kept in the scroll-back
+        even on a terminal, where the progress line is redrawn)."""
+        ppl = metrics.get("val_ppl")
+        text = f"step {step + 1:>5}/{self.total} validation loss {metrics['val_loss']:.4f}" + (
+            "" if ppl is None else f" | perplexity {ppl:.2f}"
+        )
+        self.stream.write(("\n" + text + "\n") if self.tty else text + "\n")
+        self.stream.flush()
+
     def close(self) -> None:
         if self.tty:
             self.stream.write("\n")

@@ -26,7 +26,7 @@ from syncline.models import model_loss
 from syncline.train.checkpoint import save_checkpoint
 from syncline.train.common import (
     arm_failure,
-    build_dataset,
+    build_datasets,
     build_model_for,
     fail_if_injected,
     lr_at,
@@ -38,6 +38,7 @@ from syncline.train.metrics import MetricsLog, plot_loss, summarize, timed_recor
 from syncline.train.progress import Progress, human_bytes
 from syncline.train.snapshots import SnapshotStore
 from syncline.train.state import capture_dp, restore_dp
+from syncline.train.validation import Validation
 
 
 def train(
@@ -57,8 +58,9 @@ def train(
     """
     model = build_model_for(cfg).to(device)
     loss_fn = model_loss(cfg.model)
-    dataset, tokens_per_sample = build_dataset(cfg)
+    dataset, held_out, tokens_per_sample = build_datasets(cfg)
     batches = ShardedBatches(dataset, cfg.batch_size, rank, world, cfg.seed)
+    validation = Validation(cfg, held_out, rank, world, tokens_per_sample)
     compressor = build_compressor(cfg.compression)
     dp = DataParallel(
         model,
@@ -98,10 +100,14 @@ def train(
         opt.step()
         for handle in armed:
             handle.remove()
+        t_end = time.perf_counter()
+        validated: dict[str, float] = {}
+        if validation.due(step):  # every rank: the loss is averaged over them
+            validated = validation.metrics(validation.dp_loss(model, loss_fn, device))
         if (
             log is not None
             and progress is not None
-            and (step % cfg.log_every == 0 or step == cfg.steps - 1)
+            and (step % cfg.log_every == 0 or step == cfg.steps - 1 or validated)
         ):
             value = float(loss.item())
             stats = dp.last_stats
@@ -116,11 +122,16 @@ def train(
                 wire_bytes=stats.wire_bytes,
                 collectives=stats.collectives,
                 exposed_comm_s=stats.exposed_comm_s,
+                ended=t_end,
+                val_loss=validated.get("val_loss"),
+                val_ppl=validated.get("val_ppl"),
             )
             log.append(record)
             progress.update(
                 step, value, record.samples_per_s, record.tokens_per_s, stats.wire_bytes
             )
+            if validated:
+                progress.validation(step, validated)
         done = step + 1
         if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
             t_save = time.perf_counter()
@@ -164,6 +175,8 @@ def _finish(
     summary.update(
         model=cfg.model,
         data=cfg.dataset,
+        optimizer=cfg.optimizer,
+        peak_lr=cfg.peak_lr,
         world_size=world,
         parameters=sum(p.numel() for p in model.parameters()),
         gradient_bytes=dp.bucket_plan.total_numel * 4,

@@ -96,12 +96,14 @@ def _logits(out) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
-def reference(model_name: str, schedule: str, parts: int) -> tuple[torch.nn.Module, list[float]]:
+def reference(
+    model_name: str, schedule: str, parts: int, build: Callable | None = None
+) -> tuple[torch.nn.Module, list[float]]:
     """The unsplit model trained in one process on the same ``parts`` micro-batches per batch
     (each loss divided by ``parts``, as the pipeline's); 2BW: the gradient taken on the
     weights one step behind (and not for the batch a flush started on the newest)."""
-    build, _, loss_fn, batches = MODELS[model_name]
-    model = build()
+    default, _, loss_fn, batches = MODELS[model_name]
+    model = (build or default)()
     behind = copy.deepcopy(model)
     opt = _optimizer(model.parameters())
     losses = []
@@ -218,6 +220,58 @@ def test_traced_pipeline_with_replicas_matches_and_keeps_tied_copies_equal() -> 
             torch.testing.assert_close(state[key], value, atol=1e-5, rtol=0, msg=key)
         assert torch.equal(state[TIED[0]], state[TIED[1]])
     assert torch.equal(per_rank[0]["state"][TIED[0]], per_rank[3]["state"][TIED[1]])
+    for r in per_rank:
+        assert r["losses"] == pytest.approx(want_losses, abs=1e-5)
+
+
+def meta_gpt2() -> torch.nn.Module:
+    """The test's GPT-2 built on the meta device: shapes only, no memory."""
+    with torch.device("meta"):
+        return gpt2()
+
+
+def hf_init(model: torch.nn.Module) -> Callable[[str, torch.nn.Module], None]:
+    """HuggingFace's own initialiser, module by module (GPT-2's scaled projections too)."""
+    return lambda _, module: model._init_weights(module)
+
+
+def materialized_gpt2() -> torch.nn.Module:
+    """What a meta-built pipeline of any split starts from, in one process."""
+    from syncline.models.meta_modules import materialize_modules
+
+    model = meta_gpt2()
+    return materialize_modules(model, seed=7, init=hf_init(model))
+
+
+def _meta_rank(rank: int, world: int) -> dict:
+    model = meta_gpt2()
+    pipe = Pipeline(
+        model, num_stages=2, num_microbatches=M, schedule="2bw", loss_fn=lm_loss,
+        optimizer=_optimizer, split_points=["transformer.h.2"], timeout_s=60,
+        init=hf_init(model), seed=7,
+    )  # fmt: skip
+    losses = _run(pipe, lm_batches(), "2bw")
+    return {
+        "losses": losses,
+        "state": pipe.local_state_dict(),
+        "model_still_meta": all(t.is_meta for t in [*model.parameters(), *model.buffers()]),
+    }
+
+
+def test_a_meta_built_gpt2_materialises_only_each_ranks_stage_and_matches() -> None:
+    """Stage-only materialisation of a model split at named modules: each rank allocates
+    only its stage's modules (the model it was given stays on the meta device), seeded by
+    module name, and training matches the one-process materialised model under 2BW."""
+    per_rank = run_ranks(_meta_rank, 2, timeout_s=240)
+    assert all(r["model_still_meta"] for r in per_rank)
+    first, last = (set(r["state"]) for r in per_rank)
+    assert not any(k.startswith("transformer.h.2") or k.startswith("transformer.h.3") for k in first)
+    assert not any(k.startswith("transformer.h.0") or k.startswith("transformer.h.1") for k in last)
+    want, want_losses = reference("gpt2", "2bw", M, build=materialized_gpt2)
+    state = {**per_rank[0]["state"], **per_rank[1]["state"]}
+    for key, value in want.state_dict().items():
+        torch.testing.assert_close(state[key], value, atol=1e-5, rtol=0, msg=key)
+    assert torch.equal(state[TIED[0]], state[TIED[1]])
     for r in per_rank:
         assert r["losses"] == pytest.approx(want_losses, abs=1e-5)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from syncline.dp.config import DataParallelConfig
 from syncline.errors import ConfigError
@@ -32,6 +33,10 @@ TRAIN_ERRORS = [
     ({"optimizer": "lion"}, "optimizer='lion'"),
     ({"inject_failure": "x"}, "RANK:STEP"),
     ({"inject_failure": "5:1"}, "rank must be in"),
+    ({"val_fraction": 0.7}, "val_fraction=0.7 is invalid; valid: a number in"),
+    ({"eval_every": -1}, "eval_every=-1 is invalid"),
+    ({"val_fraction": 0.0}, "eval_every=100 needs held-out data but val_fraction=0"),
+    ({"eval_batches": 0}, "eval_batches=0 must be a positive integer"),
 ]
 
 
@@ -120,3 +125,30 @@ def test_model_layers_match_the_models_that_are_built() -> None:
     assert len(build_model("cnn")) == 5 == TrainConfig(model="cnn").model_layers
     gpt = build_model("gpt", n_layer=3, n_embd=32)
     assert len(gpt) == TrainConfig(model_options={"n_layer": 3, "n_embd": 32}).model_layers
+
+
+@pytest.mark.parametrize(
+    ("scaling", "base", "peak"),
+    [("none", 32, 0.1), ("linear", 32, 0.8), ("sqrt", 32, 0.1 * 8**0.5), ("linear", None, 0.1)],
+)
+def test_the_peak_learning_rate_follows_the_batch(scaling, base, peak) -> None:
+    cfg = TrainConfig(lr=0.1, batch_size=256, lr_scaling=scaling, base_batch_size=base)
+    assert cfg.peak_lr == pytest.approx(peak)
+    assert lr_at(cfg, cfg.warmup_steps - 1) == pytest.approx(peak)  # the end of warm-up
+    with pytest.raises(ConfigError, match="lr_scaling='cubic' is not known"):
+        TrainConfig(lr_scaling="cubic")
+
+
+@pytest.mark.parametrize("name", ["lars", "lamb", "sgd", "adamw"])
+def test_each_optimizer_is_built_with_the_scaled_rate(name) -> None:
+    from torch import nn
+
+    from syncline.optim import Lamb, Lars
+    from syncline.train.common import make_optimizer
+
+    cfg = TrainConfig(
+        optimizer=name, lr=0.01, batch_size=64, base_batch_size=16, lr_scaling="linear"
+    )
+    opt = make_optimizer(cfg, list(nn.Linear(2, 2).parameters()))
+    kinds = {"lars": Lars, "lamb": Lamb, "sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
+    assert type(opt) is kinds[name] and opt.param_groups[0]["lr"] == pytest.approx(0.04)

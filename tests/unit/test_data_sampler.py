@@ -131,3 +131,20 @@ def test_negative_step_is_rejected() -> None:
 def test_datasets_follow_the_protocol() -> None:
     assert isinstance(_text(), IndexedDataset)
     assert isinstance(_pairs(), IndexedDataset)
+
+
+def test_holdout_keeps_the_end_and_never_overlaps() -> None:
+    from syncline.data import ByteDataset, holdout
+
+    ds = TensorPairDataset(torch.arange(100), torch.arange(100))
+    train, val = holdout(ds, 0.1)
+    assert (len(train), len(val)) == (90, 10)
+    assert val.get(torch.tensor([0, 9]))[0].tolist() == [90, 99]
+    assert train.get(torch.tensor([89]))[0].tolist() == [89]
+    assert holdout(ds, 0) == (ds, None)
+    text_train, text_val = holdout(ByteDataset(bytes(range(100)), 4), 0.2)
+    # a text cuts its token stream: no training window reads a held-out token
+    assert int(text_train.data.max()) < int(text_val.data.min())
+    for bad in (-0.1, 1.0, "x", True, 0.001):
+        with pytest.raises(ConfigError, match="val_fraction"):
+            holdout(ds, bad)  # type: ignore[arg-type]

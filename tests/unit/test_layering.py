@@ -57,7 +57,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("syncline.fields", "syncline.registry"),
     ("syncline.schedule", "syncline.partition"),
     ("syncline.comm", "syncline.launch"),
-    ("syncline.models", "syncline.data"),
+    ("syncline.models", "syncline.data", "syncline.optim"),
     ("syncline.dp", "syncline.compression"),
     ("syncline.pipeline",),
     ("syncline.planner",),

@@ -97,3 +97,53 @@ def test_layers_built_for_real_keep_their_values() -> None:
     before = model[0].weight.clone()
     materialize(model, seed=5)
     assert torch.equal(model[0].weight, before)
+
+
+def test_a_model_split_at_named_modules_gets_the_same_weights_at_any_split() -> None:
+    """Module-by-module materialisation (seeded by name) of a meta-built HuggingFace GPT-2:
+    the stages of two different splits hold exactly the one-process model's values, the
+    model given stays on the meta device, HF's own init rules apply (GPT-2's residual
+    projections scaled by 1/sqrt(2 n_layer)), and the traced stages compute as the model."""
+    transformers = pytest.importorskip("transformers")
+    from syncline.models.meta_modules import materialize_modules, materialize_named
+    from syncline.pipeline.trace import retarget, trace_model
+
+    cfg = transformers.GPT2Config(
+        n_layer=4, n_embd=32, n_head=2, vocab_size=64, n_positions=16, use_cache=False,
+        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+
+    def meta_model() -> torch.nn.Module:
+        with torch.device("meta"):
+            return transformers.GPT2LMHeadModel(cfg)
+
+    ref = meta_model()
+    materialize_modules(ref, seed=5, init=lambda _, m: ref._init_weights(m))
+    want = ref.state_dict()
+    assert ref.lm_head.weight is ref.transformer.wte.weight  # still tied
+    proj, attn = (
+        want["transformer.h.1.attn.c_proj.weight"],
+        want["transformer.h.1.attn.c_attn.weight"],
+    )
+    assert abs(float(proj.std()) - 0.02 / 8**0.5) < 0.002 and abs(float(attn.std()) - 0.02) < 0.002
+    ids = torch.randint(0, 64, (2, 8))
+    for points in (["transformer.h.1"], ["transformer.h.2", "transformer.h.3"]):
+        model = meta_model()
+        traced = trace_model(model, points, {"input_ids": ids.to("meta")})
+        for s, stage in enumerate(traced.stages):
+            init = model._init_weights
+            materialize_named(
+                stage,
+                model,
+                traced.canonical[s],
+                device=torch.device("cpu"),
+                seed=5,
+                init=lambda _, m, f=init: f(m),
+            )
+            retarget(stage, torch.device("cpu"))
+            for name, value in stage.state_dict().items():
+                assert torch.equal(value, want[traced.canonical[s].get(name, name)]), (points, name)
+        assert all(t.is_meta for t in model.parameters())
+        torch.testing.assert_close(traced.forward({"input_ids": ids}), ref(input_ids=ids).logits)
+    with pytest.raises(ConfigError, match=r"left .* unset"):
+        materialize_modules(meta_model(), init=lambda _, m: None)
