@@ -378,7 +378,10 @@ class Reducer:
 
         As DDP's reducer (``copy_bucket_to_grad`` skips globally unused parameters), and as
         local training: ``None`` stays ``None`` (optimizers skip it), and an existing gradient
-        (left from an earlier step, or set by the user) keeps its local value. "Unused" means
+        (left from an earlier step, or set by the user) keeps its local value. One exception:
+        a compressor with error feedback (CSC, TopK, PowerSGD) may send now what it kept from
+        a step that did use the parameter; that gradient is the parameter's, so it stays.
+        "Unused" means
         by no backward since the last synchronised one, ``no_sync`` ones included. With
         ``gradient_as_bucket_view=True`` DDP's gradient *is* the reduced bucket, so there the
         rank average stays, as in DDP.
@@ -391,6 +394,10 @@ class Reducer:
             if count != 0:
                 continue
             if buf.stand_in[i]:
+                if not self.compressor.stateless and bool(buf.views[i].any()):
+                    # error feedback sent what it had kept for this parameter from a step
+                    # that used it: a delayed gradient, applied, not dropped
+                    continue
                 buf.params[i].grad = None
             elif i in kept:
                 buf.views[i].copy_(kept[i])

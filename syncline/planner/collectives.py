@@ -109,10 +109,12 @@ def bucket_phases(
     if name == "csc":
         chunk = int(kwargs.get("chunk_elems", _CSC_CHUNK))
         chunks = -(-n // chunk)
-        chosen = min(chunks, max(1, math.ceil(float(kwargs["density"]) * chunks)))
-        if chosen >= chunks:
-            return [Phase("allreduce", 2 * n)]
-        return [Phase("allreduce", 4 * chunks), Phase("allreduce", 2 * min(n, chosen * chunk))]
+        density = float(kwargs["density"])
+        if density >= 1.0:
+            return [Phase("allreduce", 4), Phase("allreduce", 2 * n)]
+        # the average step: density x the chunks (the fraction is carried between steps)
+        sent = min(n, density * chunks * chunk)
+        return [Phase("allreduce", 4 * (chunks + 1)), Phase("allreduce", 2 * sent)]
     if name == "topk":
         k = max(1, min(n, math.ceil(float(kwargs["ratio"]) * n)))
         index = 4 if n < 2**31 else 8

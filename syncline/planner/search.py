@@ -29,6 +29,8 @@ from syncline.schedule.registry import check_microbatches
 __all__ = ["SearchSpace", "candidates", "search"]
 
 DEFAULT_COMPRESSIONS = ("none", "fp16", "csc:0.01", "topk:0.01", "powersgd:4")
+#: optimizers with a first moment of their own: CSC beside them runs without its momentum
+ADAPTIVE_OPTIMIZERS = ("adamw", "lamb")
 EXACT_COMPRESSIONS = ("none", "fp16", "bf16")
 LOSSY_MARGIN = 0.05
 TIE = 0.005
@@ -56,6 +58,11 @@ class SearchSpace:
                 raise ConfigError(f"{name}={value!r} is invalid; valid: an int >= 1")
         for name in self.schedules:
             SCHEDULES.get(name)
+        if self.optimizer in ADAPTIVE_OPTIMIZERS:  # CSC's momentum would double Adam's
+            specs = [
+                c + ":momentum=0" if c.split(":")[0] == "csc" else c for c in self.compressions
+            ]
+            object.__setattr__(self, "compressions", tuple(specs))
 
 
 def _divisors(n: int) -> list[int]:

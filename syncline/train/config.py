@@ -22,10 +22,14 @@ from syncline.partition import check_balance
 from syncline.pipeline.config import DEFAULT_SCHEDULE
 from syncline.schedule.registry import SCHEDULES, ScheduleSpec, check_microbatches
 
-__all__ = ["BACKENDS", "FAILURE_PHASES", "LR_SCALINGS", "OPTIMIZERS", "TrainConfig"]
+__all__ = ["BACKENDS", "FAILURE_PHASES", "LR_SCALINGS", "OPTIMIZERS", "PRECISIONS", "TrainConfig"]
 
 OPTIMIZERS = ("adamw", "sgd", "lars", "lamb")
 LR_SCALINGS = ("none", "linear", "sqrt")
+#: ``--precision``: fp32, or autocast in bf16 / fp16 (fp32 master weights; fp16 loss-scaled)
+PRECISIONS = ("fp32", "bf16", "fp16")
+#: optimizers with a first moment of their own (momentum beside a compressor's is refused)
+ADAPTIVE = ("adamw", "lamb")
 #: where ``--inject-failure RANK:STEP:PHASE`` strikes: ``start`` (exit code 17 before the
 #: step), or SIGKILL ``forward`` (inside the model's forward), ``allreduce`` (in backward,
 #: while the peers wait in the gradient allreduce; a pipeline with replicas: in its stage's
@@ -90,6 +94,12 @@ class TrainConfig:
     optimizer: str = option("adamw", group=_OPT, choices=lambda: OPTIMIZERS)
     """``adamw``, ``sgd``, ``lars`` (SGD with layer-wise trust ratios, You et al. 2017) or
     ``lamb`` (Adam with layer-wise trust ratios, You et al. 2019): :mod:`syncline.optim`."""
+    precision: str = option("fp32", group=_OPT, choices=lambda: PRECISIONS)
+    """``fp32``; ``bf16`` or ``fp16``: the forward and the loss under autocast, weights,
+    gradients and optimizer state in fp32; fp16 scales the loss dynamically, every rank
+    agreeing on each overflow (all skip that step), the scale checkpointed. Data parallelism
+    only for now; fp16 not with an error-feedback compressor (an overflowed step would enter
+    its residual)."""
     momentum: float = option(0.9, group=_OPT)
     """SGD and LARS momentum, in [0, 1); moves into the compressor when it applies momentum
     itself."""
@@ -250,7 +260,35 @@ class TrainConfig:
             raise ConfigError(
                 f"optimizer={self.optimizer!r} is not known; valid: {', '.join(OPTIMIZERS)}"
             )
-        parse(self.compression)  # the grammar; value ranges are the compressor's to check
+        entry, args = parse(self.compression)  # value ranges are the compressor's to check
+        self._check_precision()
+        if entry.owns_momentum and args.get("momentum") != 0 and self.optimizer in ADAPTIVE:
+            raise ConfigError(
+                f"compression={self.compression!r} applies momentum itself (momentum "
+                f"correction) and optimizer={self.optimizer!r} applies its own first moment "
+                "on top: momentum twice. Valid: --optimizer sgd or lars (their momentum moves "
+                "into the compressor), or add :momentum=0 to the spec (error feedback alone, "
+                f"{self.optimizer} keeps its moments)"
+            )
+
+    def _check_precision(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ConfigError(
+                f"precision={self.precision!r} is unknown; valid: {', '.join(PRECISIONS)}"
+            )
+        if self.precision != "fp32" and self.pipeline_stages > 1:
+            raise ConfigError(
+                f"precision={self.precision!r} with pipeline_stages={self.pipeline_stages} is "
+                "not supported yet (mixed precision runs under data parallelism); valid: "
+                "--precision fp32 with pipelines"
+            )
+        spec = COMPRESSORS.get(compressor_name(self.compression))
+        if self.precision == "fp16" and spec.error_feedback:
+            raise ConfigError(
+                f"precision='fp16' with compression={self.compression!r} is not supported: an "
+                "overflowed (skipped) step would leave inf in the compressor's residual; valid: "
+                "--precision bf16 (no loss scaling), or a stateless compressor (none, fp16, bf16)"
+            )
 
     def _check_validation(self) -> None:
         f, every = self.val_fraction, self.eval_every

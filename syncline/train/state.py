@@ -24,6 +24,7 @@ from syncline.comm.sharded import pack_object, read_index, unpack_object
 from syncline.dp.engine import DataParallel
 from syncline.errors import CheckpointError
 from syncline.pipeline.runtime import Pipeline
+from syncline.train.precision import LossScaler
 from syncline.train.snapshots import Snapshot, SnapshotStore
 
 __all__ = [
@@ -139,14 +140,24 @@ def _local_state(got: dict[str, torch.Tensor], rank: int) -> dict[str, Any]:
 
 
 def capture_dp(
-    step: int, model: nn.Module, opt: torch.optim.Optimizer, dp: DataParallel, rank: int, world: int
+    step: int,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    dp: DataParallel,
+    rank: int,
+    world: int,
+    scaler: LossScaler | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The tensor map of a data-parallel run after ``step`` steps (see the module docstring)."""
+    """The tensor map of a data-parallel run after ``step`` steps (see the module docstring);
+    an fp16 run's loss scale (the same on every rank) goes into the run's metadata."""
     out = {f"model/{k}": v.detach().cpu() for k, v in model.state_dict().items()}
     named = {id(p): n for n, p in model.named_parameters()}
     out.update(_optimizer_entries(opt, _names_in(opt, named)))
     out.update(_local_entries(rank, dp.compression_state_dict()))
-    out["run/meta"] = pack_object({"step": step, "world_size": world, "kind": "data-parallel"})
+    meta: dict[str, Any] = {"step": step, "world_size": world, "kind": "data-parallel"}
+    if scaler is not None:
+        meta["loss_scale"] = scaler.state_dict()
+    out["run/meta"] = pack_object(meta)
     return out
 
 
@@ -158,6 +169,7 @@ def restore_dp(
     dp: DataParallel,
     rank: int,
     world: int,
+    scaler: LossScaler | None = None,
 ) -> tuple[int, bool]:
     """Load ``snap`` into the run's objects; returns the step to continue from, and whether
     the continuation is exact (the checkpoint's run had this shape: then each rank's RNG and
@@ -180,6 +192,8 @@ def restore_dp(
     _load_optimizer(opt, names, got)
     if exact:
         dp.load_compression_state_dict(_local_state(got, rank)["compression"])
+    if scaler is not None and "loss_scale" in meta:
+        scaler.load_state_dict(meta["loss_scale"])
     return int(meta["step"]), exact
 
 

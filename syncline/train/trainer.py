@@ -35,6 +35,7 @@ from syncline.train.common import (
 )
 from syncline.train.config import TrainConfig
 from syncline.train.metrics import MetricsLog, plot_loss, summarize, timed_record
+from syncline.train.precision import LossScaler, autocast
 from syncline.train.progress import Progress, human_bytes
 from syncline.train.snapshots import SnapshotStore
 from syncline.train.state import capture_dp, restore_dp
@@ -70,7 +71,9 @@ def train(
         compression=compressor,
         allreduce=allreduce,
     )
-    opt = make_optimizer(cfg, [p for p in dp.parameters() if p.requires_grad], compressor)
+    params = [p for p in dp.parameters() if p.requires_grad]
+    opt = make_optimizer(cfg, params, compressor)
+    scaler = LossScaler(timeout_s=cfg.timeout_s) if cfg.precision == "fp16" else None
     run_dir = Path(cfg.run_dir)
     store = SnapshotStore(
         run_dir / "checkpoints", keep=cfg.keep_checkpoints, timeout_s=cfg.timeout_s, device=device
@@ -79,7 +82,7 @@ def train(
     if cfg.resume is not None or attempt > 0:
         snap = store.latest()
         if snap is not None:
-            start, exact = restore_dp(store, snap, model, opt, dp, rank, world)
+            start, exact = restore_dp(store, snap, model, opt, dp, rank, world, scaler)
             if rank == 0:
                 how = "" if exact else ", resharded: fresh RNG and compressor state"
                 print(f"resumed from {snap.path} (step {start}{how})", flush=True)
@@ -95,9 +98,11 @@ def train(
         x, y = batches.batch(step)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(dp(x), y)
-        loss.backward()
-        opt.step()
+        with autocast(cfg.precision, device):
+            loss = loss_fn(dp(x), y)
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        if scaler is None or scaler.unscale_or_skip(params, step):
+            opt.step()
         for handle in armed:
             handle.remove()
         t_end = time.perf_counter()
@@ -137,7 +142,7 @@ def train(
             t_save = time.perf_counter()
             path = store.save(
                 done,
-                capture_dp(done, model, opt, dp, rank, world),
+                capture_dp(done, model, opt, dp, rank, world, scaler),
                 on_written=functools.partial(
                     fail_if_injected, cfg, rank, step, attempt, "checkpoint"
                 ),
@@ -177,6 +182,7 @@ def _finish(
         data=cfg.dataset,
         optimizer=cfg.optimizer,
         peak_lr=cfg.peak_lr,
+        precision=cfg.precision,
         world_size=world,
         parameters=sum(p.numel() for p in model.parameters()),
         gradient_bytes=dp.bucket_plan.total_numel * 4,

@@ -80,7 +80,7 @@ BAD_INPUT = [
     (["--lr", "fast"], "invalid float value: 'fast'"),
     (["--model", "cnn", "--data", "stdlib"], "does not fit model 'cnn'"),
     (["--compression", "zip"], "compression"),
-    (["--compression", "csc:2"], "density=2.0"),
+    (["--compression", "csc:2:momentum=0"], "density=2.0"),
     (["--allreduce", "ring"], "allreduce='ring'"),
     (["--ranks-per-node", "3"], "ranks_per_node=3"),
     (["--emulate-network", "5furlongs"], "invalid rate '5furlongs'"),
@@ -146,6 +146,8 @@ def test_emulated_slow_network_with_csc(tmp_path) -> None:
         "200mbit",
         "--compression",
         "csc:0.01:warmup=2:chunk=1024",
+        "--optimizer",
+        "sgd",
         "--run-dir",
         str(run),
     )

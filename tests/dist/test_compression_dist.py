@@ -118,14 +118,12 @@ def test_csc_agrees_on_the_same_chunks_though_local_gradients_differ(reduced) ->
     spec = SPECS[2]
     for b, n in enumerate(SIZES):
         n_chunks = ch.num_chunks(n, CHUNK)
-        k = ch.chunks_to_send(0.2, n_chunks)
+        k = int(0.2 * n_chunks)  # the first step's budget: its share, rounded down
         # step 1 from a zero state: u = g, v = u, so the scores are those of g
         grads = [local_grad(r, 1, b) for r in range(world)]
-        total = torch.stack([ch.chunk_scores(g, CHUNK) for g in grads]).sum(0)
-        expected = ch.select_chunks(total, k)
-        local_picks = {
-            tuple(ch.select_chunks(ch.chunk_scores(g, CHUNK), k).tolist()) for g in grads
-        }
+        scores = [ch.chunk_scores(g, CHUNK, normalise=True) for g in grads]
+        expected = ch.select_chunks(torch.stack(scores).sum(0), k)
+        local_picks = {tuple(ch.select_chunks(s, k).tolist()) for s in scores}
         assert len(local_picks) > 1  # ranks would disagree if each chose for itself
         for r in range(world):
             assert torch.equal(results[r][spec][0]["selection"][b], expected)
@@ -134,7 +132,7 @@ def test_csc_agrees_on_the_same_chunks_though_local_gradients_differ(reduced) ->
         torch.testing.assert_close(got[mask], _mean(world, 1, b)[mask], atol=2e-3, rtol=2e-3)
         assert not got[~mask].any()
         sent = sum(min(CHUNK, n - j * CHUNK) for j in expected.tolist())
-        assert results[0][spec][0]["wire"][b] == 4 * n_chunks + 2 * sent
+        assert results[0][spec][0]["wire"][b] == 4 * (n_chunks + 1) + 2 * sent  # scores, bound
     # the selection moves over steps (error feedback brings the unsent chunks back)
     firsts = [results[0][spec][s]["selection"][0].tolist() for s in range(STEPS)]
     assert firsts[0] != firsts[1]
@@ -144,7 +142,7 @@ def test_csc_warmup_is_dense_then_sparse(reduced) -> None:
     world, results = reduced
     steps = results[0][SPECS[3]]
     for b, n in enumerate(SIZES):
-        assert steps[0]["wire"][b] == 2 * n  # step 1 < warmup=2: all of v in fp16
+        assert steps[0]["wire"][b] == 4 + 2 * n  # step 1 < warmup=2: a bound, all of v in fp16
         assert steps[1]["wire"][b] < 2 * n
         torch.testing.assert_close(steps[0]["out"][b], _mean(world, 1, b), atol=5e-3, rtol=2e-3)
 
@@ -264,3 +262,87 @@ def test_data_parallel_training_with_every_compressor_decreases_loss() -> None:
     assert any(pl.matrices for pl in plans) and any(pl.dense for pl in plans)
     expected = sum(4 * (pl.dense_numel + pl.p_numel + pl.q_numel) for pl in plans)
     assert r0["wire"][-1] == expected
+
+
+# -- CSC at the edges ------------------------------------------------------------------
+def _overflow_rank(rank: int, world: int) -> dict:
+    """Each rank alone fits fp16 after dividing by the world size; the sum does not."""
+    comm = FlatAllreduce(timeout_s=60.0)
+    out = {}
+    for density in (0.5, 1.0):
+        g = local_grad(rank, 1, 1)
+        g[9] = 1e5  # 1e5 / 2 fits fp16 (max 65504) on each rank, their sum 1e5 does not
+        csc = build_compressor(f"csc:{density}:chunk={CHUNK}")
+        pending = csc.reduce(BucketRef(0, 1), g, comm)
+        pending.wait()
+        out[density] = {"out": g, "wire": pending.wire_bytes, "sel": csc.last_selection[0]}
+    return out
+
+
+def test_csc_sends_a_bucket_in_fp32_when_the_sum_would_overflow_fp16() -> None:
+    results = run_ranks(_overflow_rank, 2, timeout_s=60.0)
+    n = SIZES[1]
+    mean = torch.stack([local_grad(r, 1, 1) for r in range(2)]).mean(0)
+    mean[9] = 1e5
+    for density, r0 in results[0].items():
+        mask = ch.element_mask(r0["sel"], ch.num_chunks(n, CHUNK), CHUNK, n)
+        assert bool(mask[9]) and torch.isfinite(r0["out"]).all()
+        torch.testing.assert_close(r0["out"][mask], mean[mask], atol=1e-6, rtol=1e-6)
+        assert torch.equal(r0["out"], results[1][density]["out"])
+        sent = int(mask.sum())
+        head = 4 * (ch.num_chunks(n, CHUNK) + 1) if density < 1 else 4
+        assert r0["wire"] == head + 4 * sent  # fp32, not fp16, on both ranks
+
+
+class _Sometimes(nn.Module):
+    """``b`` takes part only at step 1 (``use_b``); ``a`` always."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.use_b = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + (self.b(x) if self.use_b else 0.0)
+
+
+def _unused_rank(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = _Sometimes()
+    start = {k: v.clone() for k, v in model.b.state_dict().items()}
+    dp = DataParallel(
+        model, find_unused_parameters=True, bucket_cap_mb=0.00005, first_bucket_cap_mb=0.00005,
+        compression=build_compressor("csc:0.25:chunk=4:momentum=0"),
+    )  # fmt: skip
+    opt = torch.optim.SGD(dp.parameters(), lr=0.5)
+    local: dict[str, torch.Tensor] = {}
+    hooks = [
+        p.register_hook(lambda g, n=n: local.setdefault(n, g.clone()))
+        for n, p in model.b.named_parameters()
+    ]
+    for step in range(9):
+        model.use_b = step == 1
+        gen = torch.Generator().manual_seed(10 * step + rank)
+        x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 4, generator=gen)
+        opt.zero_grad()
+        F.mse_loss(dp(x), y).backward()
+        opt.step()
+    for h in hooks:
+        h.remove()
+    return {"start": start, "end": model.b.state_dict(), "local": local}
+
+
+def test_csc_keeps_and_later_applies_the_residual_of_a_parameter_no_rank_uses() -> None:
+    """``b`` is used at step 1 only; CSC (one chunk in four a step) sends part of its
+    gradient then and the rest at later steps, when no rank uses ``b``. That rest must
+    reach ``b`` (error feedback delays a gradient, never drops it): at the end ``b`` has
+    moved by exactly lr x the ranks' mean step-1 gradient."""
+    results = run_ranks(_unused_rank, 2, timeout_s=60.0)
+    for name in ("weight", "bias"):
+        mean = torch.stack([r["local"][name] for r in results]).mean(0)
+        want = results[0]["start"][name] - 0.5 * mean
+        for r in results:
+            # fp16 on the wire: what rounding lost waits in the residual (~1e-4 here); a
+            # dropped chunk would be off by the gradient itself (~0.1)
+            torch.testing.assert_close(r["end"][name], want, atol=1e-3, rtol=2e-3)
+            assert not torch.equal(r["end"][name], r["start"][name])

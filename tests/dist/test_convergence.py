@@ -9,7 +9,7 @@ compressor (momentum correction; the optimizer then runs with momentum 0), as
 last ``TAIL`` steps) must be within 1 % of uncompressed for fp16/bf16 and within 5 % for CSC
 (1 % density) and PowerSGD.
 
-Setting: 2-layer GPT (n_embd 32, 42,880 parameters, one bucket), 300 steps, global batch 32,
+Setting: 2-layer GPT (n_embd 32, 42,880 parameters; one bucket, CSC three), 300 steps, global batch 32,
 peak lr 0.05 with cosine decay to 5 %. Gaps of the final loss against uncompressed, measured
 on 2 cores (seeds 0 / 1 / 2; rerun with ``python -m tests.dist.test_convergence 0 1 2``):
 
@@ -17,6 +17,9 @@ on 2 cores (seeds 0 / 1 / 2; rerun with ``python -m tests.dist.test_convergence 
 fp16, bf16                                       +0.00 % / +0.00 % / +0.00 %
 PowerSGD rank 4 per tensor, 10 dense steps       +0.39 % / +0.45 % / +0.44 %
 CSC 1 %, chunk 16, exp ramp over 50 steps        +2.11 % / +4.02 % / +4.13 %
+  (one bucket, before the per-bucket budget)
+CSC as above, 3 buckets (0.04 MiB caps), the     +0.58 % / +2.83 %
+  density carried per bucket (issue 15)
 ==============================================  ===========================
 
 * CSC: ``chunk_elems=16`` -> 2,680 chunks, 27 sent per step (1 %). Its warm-up matters a lot,
@@ -53,6 +56,7 @@ MODEL = {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 32}  # 42,880 pa
 CORPUS_BYTES = 1_000_000
 CSC_CHUNK = 16  # 2,680 chunks, 27 sent per step at 1 %
 CSC_WARMUP = 50  # DGC's exponential ramp: density 0.01 ** (step / 50) before step 50
+CSC_BUCKET_MB = 0.04  # 3 buckets (caps of ~10,500 elements, whole tensors): several budgets
 PSGD_RANK = 4
 PSGD_WARMUP = 10
 CONFIGS = ("none", "fp16", "bf16", "csc", "powersgd")
@@ -89,7 +93,11 @@ def _train_rank(rank: int, world: int, seed: int) -> dict[str, dict]:
     for name in CONFIGS:
         torch.manual_seed(seed)
         model = build_model("gpt", **MODEL)
-        dp = DataParallel(model, compression=_compressor(name))
+        # CSC in several buckets, so that its per-bucket chunk budget is exercised
+        cap = CSC_BUCKET_MB if name == "csc" else None
+        dp = DataParallel(
+            model, compression=_compressor(name), bucket_cap_mb=cap, first_bucket_cap_mb=cap
+        )
         momentum = 0.0 if name == "csc" else MOMENTUM  # CSC applies it itself
         opt = torch.optim.SGD(dp.parameters(), lr=LR, momentum=momentum)
         t0 = time.perf_counter()
@@ -109,6 +117,7 @@ def _train_rank(rank: int, world: int, seed: int) -> dict[str, dict]:
             "wire_bytes": dp.last_stats.wire_bytes,
             "dense_bytes": dp.last_stats.dense_bytes,
             "seconds": time.perf_counter() - t0,
+            "buckets": len(dp.bucket_plan.buckets),
         }
     return out
 
@@ -125,6 +134,7 @@ def train_all(seed: int = SEED) -> dict[str, dict]:
             "wire_bytes": ranks[0][name]["wire_bytes"],
             "dense_bytes": ranks[0][name]["dense_bytes"],
             "seconds": ranks[0][name]["seconds"],
+            "buckets": ranks[0][name]["buckets"],
         }
     return result
 
@@ -165,6 +175,8 @@ def test_compressed_runs_really_compressed(trained, name, most) -> None:
     """The last step went through the sparse / low-rank path, not a dense fallback."""
     t = trained[name]
     assert 0 < t["wire_bytes"] <= most * t["dense_bytes"], (t["wire_bytes"], t["dense_bytes"])
+    if name == "csc":
+        assert t["buckets"] >= 3  # the chunk budget is carried per bucket
 
 
 if __name__ == "__main__":  # local robustness check: python -m tests.dist.test_convergence 0 1 2

@@ -155,14 +155,17 @@ def test_csc_error_feedback_bookkeeping_over_steps() -> None:
     csc = CSC(0.3, chunk_elems=chunk, momentum=m, wire_dtype=torch.float32)
     u = torch.zeros(n)
     v = torch.zeros(n)
-    for step in range(1, 6):
+    for step in range(1, 8):
         g = _grad(step, n)
         u_new = m * u + g
         v_acc = v + u_new
         sent = _reduce(csc, g, step)
         state = csc.state_dict()["buckets"][0]
         selected = csc.last_selection[0]
-        assert selected.tolist() == ch.select_chunks(ch.chunk_scores(v_acc, chunk), 3).tolist()
+        # 7 chunks at 30 %: 2.1 due a step, the fraction carried: 2, 2, 2, 2, 2, 2, 3 chunks
+        k = int(2.1 * step + 1e-9) - int(2.1 * (step - 1) + 1e-9)
+        scores = ch.chunk_scores(v_acc, chunk, normalise=True)  # the 2-element tail scaled x4
+        assert selected.tolist() == ch.select_chunks(scores, k).tolist()
         mask = ch.element_mask(selected, 7, chunk, n)
         # what was sent plus what stays is exactly what had accumulated
         assert torch.equal(sent + state["v"], v_acc)
@@ -172,12 +175,30 @@ def test_csc_error_feedback_bookkeeping_over_steps() -> None:
         u, v = state["u"], state["v"]
 
 
+def test_csc_density_holds_over_the_whole_gradient_across_buckets() -> None:
+    """Buckets of 8, 3 and 100 chunks at 5 %: each sends density x its chunks on average
+    (the small ones every few steps, not every step), and the total within one chunk per
+    bucket of 5 % of all chunks at every step."""
+    csc = CSC(0.05, chunk_elems=4, momentum=0.0, wire_dtype=torch.float32)
+    sizes = [32, 12, 400]
+    sent = [0, 0, 0]
+    for step in range(1, 41):
+        for b, n in enumerate(sizes):
+            _reduce(csc, _grad(100 * step + b, n), step, index=b)
+            sent[b] += csc.last_selection[b].numel()
+        for b, n in enumerate(sizes):
+            assert abs(sent[b] - 0.05 * (n // 4) * step) < 1.0 + 1e-9, (step, b, sent)
+    assert sent == [16, 6, 200]  # 5 % of 8, 3 and 100 chunks over 40 steps
+
+
 def test_csc_warmup_sends_everything_with_the_same_bookkeeping() -> None:
     g = _grad(2, 40)
     csc = CSC(0.1, chunk_elems=8, warmup_steps=3, momentum=0.5, wire_dtype=torch.float32)
     assert torch.equal(_reduce(csc, g, step=2), g)
     assert csc.last_selection[0].tolist() == [0, 1, 2, 3, 4]
-    sparse = _reduce(csc, g, step=3)
+    # 5 chunks at 10 %: half a chunk due at step 3 (nothing sent, all kept), one at step 4
+    assert not _reduce(csc, g, step=3).any() and csc.last_selection[0].numel() == 0
+    sparse = _reduce(csc, g, step=4)
     assert csc.last_selection[0].numel() == 1
     assert (sparse != 0).sum() == 8
 
@@ -201,16 +222,34 @@ def test_csc_exp_ramp_sends_fewer_chunks_step_by_step() -> None:
     for step in range(6):
         _reduce(csc, _grad(80 + step, 1000), step)
         sent.append(csc.last_selection[0].numel())
-    assert sent == [1000, 317, 100, 32, 10, 10]  # ceil(1000 * density_at(step))
+    # 1000 * density_at(step) plus the carried fraction, rounded down
+    assert sent == [1000, 316, 100, 31, 10, 10]
 
 
-def test_csc_fp16_wire_rounds_only_the_sent_values() -> None:
+def test_csc_fp16_wire_rounds_only_the_sent_values_and_keeps_what_rounding_lost() -> None:
     g = _grad(3, 64)
+    g[0] = 1e-9  # below fp16's smallest subnormal: sent as 0, kept in the residual
     csc = CSC(0.5, chunk_elems=8, momentum=0.0)
     out = _reduce(csc, g)
     mask = ch.element_mask(csc.last_selection[0], 8, 8, 64)
+    assert bool(mask[0])  # chunk 0 is among the heaviest four
     assert torch.equal(out[mask], g[mask].half().float())
     assert not out[~mask].any()
+    v = csc.state_dict()["buckets"][0]["v"]
+    assert torch.equal(v[mask], g[mask] - g[mask].half().float())  # rounding error kept
+    assert float(v[0]) == pytest.approx(1e-9) and torch.equal(out + v, g)
+
+
+def test_csc_values_past_fp16_range_travel_in_fp32_not_as_inf() -> None:
+    g = _grad(4, 64)
+    g[9] = 1e5  # > 65504: fp16 would make it inf
+    for spec_density in (0.5, 1.0):  # sparse, and dense (density 1)
+        csc = CSC(spec_density, chunk_elems=8, momentum=0.0)
+        out = g.clone()
+        csc.reduce(BucketRef(0, 1), out, _Recording()).wait()
+        mask = ch.element_mask(csc.last_selection[0], 8, 8, 64)
+        assert torch.isfinite(out).all()
+        assert torch.equal(out[mask], g[mask])  # fp32: exact (2 ranks: test_compression_dist)
 
 
 class _Recording:

@@ -37,6 +37,11 @@ TRAIN_ERRORS = [
     ({"eval_every": -1}, "eval_every=-1 is invalid"),
     ({"val_fraction": 0.0}, "eval_every=100 needs held-out data but val_fraction=0"),
     ({"eval_batches": 0}, "eval_batches=0 must be a positive integer"),
+    ({"compression": "csc:0.01"}, "applies momentum itself"),
+    ({"compression": "csc:0.01", "optimizer": "lamb"}, "momentum twice"),
+    ({"precision": "fp8"}, "precision='fp8' is unknown; valid: fp32, bf16, fp16"),
+    ({"precision": "bf16", "pipeline_stages": 2}, "with pipeline_stages=2 is not supported yet"),
+    ({"precision": "fp16", "compression": "powersgd:2"}, "would leave inf in the compressor"),
 ]
 
 
@@ -125,6 +130,13 @@ def test_model_layers_match_the_models_that_are_built() -> None:
     assert len(build_model("cnn")) == 5 == TrainConfig(model="cnn").model_layers
     gpt = build_model("gpt", n_layer=3, n_embd=32)
     assert len(gpt) == TrainConfig(model_options={"n_layer": 3, "n_embd": 32}).model_layers
+
+
+def test_csc_beside_adam_is_well_defined_without_its_momentum() -> None:
+    for optimizer in ("adamw", "lamb"):
+        TrainConfig(compression="csc:0.01:momentum=0", optimizer=optimizer)
+    for optimizer in ("sgd", "lars"):  # their momentum moves into CSC
+        TrainConfig(compression="csc:0.01", optimizer=optimizer)
 
 
 @pytest.mark.parametrize(

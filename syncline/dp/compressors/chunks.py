@@ -28,12 +28,14 @@ def chunks_to_send(density: float, n_chunks: int) -> int:
     return max(1, min(n_chunks, k))
 
 
-def chunk_scores(v: torch.Tensor, chunk_elems: int) -> torch.Tensor:
+def chunk_scores(v: torch.Tensor, chunk_elems: int, *, normalise: bool = False) -> torch.Tensor:
     """``||v_j||_1`` of every chunk ``j``, in fp32 (the vector all ranks sum).
 
     The full chunks are a ``(N, C)`` view reduced row by row, the short last chunk (if any) on
     its own: no padded copy of ``v``. (``abs().sum`` is used rather than
-    ``linalg.vector_norm(ord=1)``, which is several times slower on CPU.)
+    ``linalg.vector_norm(ord=1)``, which is several times slower on CPU.) ``normalise``
+    scores the short last chunk as if it were full (its mean magnitude times ``C``), so it
+    competes on its values rather than losing for being short.
     """
     full, tail = divmod(v.numel(), chunk_elems)
     body = v.detach()[: full * chunk_elems].view(full, chunk_elems)
@@ -41,6 +43,8 @@ def chunk_scores(v: torch.Tensor, chunk_elems: int) -> torch.Tensor:
     if not tail:
         return scores
     last = v.detach()[full * chunk_elems :].abs().sum(dtype=torch.float32)
+    if normalise:
+        last = last * (chunk_elems / tail)
     return torch.cat([scores, last.reshape(1)])
 
 
@@ -90,6 +94,20 @@ def zero_chunks(t: torch.Tensor, selected: torch.Tensor, chunk_elems: int) -> No
     t[: full * chunk_elems].view(full, chunk_elems).index_fill_(0, head, 0.0)
     if tail:
         t[full * chunk_elems :].zero_()
+
+
+def put_chunks(
+    t: torch.Tensor, selected: torch.Tensor, chunk_elems: int, values: torch.Tensor
+) -> None:
+    """Write ``values`` (as :func:`pack_chunks` lays them out) into the ``selected`` chunks of
+    ``t``, in place; the other chunks are left as they are."""
+    head, tail = _split(selected, t.numel(), chunk_elems)
+    full = t.numel() // chunk_elems
+    sent = head.numel() * chunk_elems
+    rows = values[:sent].view(-1, chunk_elems).to(t.dtype)
+    t[: full * chunk_elems].view(full, chunk_elems).index_copy_(0, head, rows)
+    if tail:
+        t[full * chunk_elems :].copy_(values[sent:])
 
 
 def unpack_chunks(

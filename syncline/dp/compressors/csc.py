@@ -8,20 +8,32 @@ picks whole chunks that *all ranks agree on*, so the payload stays a dense allre
 Per bucket and step, on every rank (``g`` = local gradient, ``m`` = momentum)::
 
     u = m*u + g ;  v = v + u                       momentum correction (local)
-    s_j = ||v_j||_1 for each chunk j of C elems    score
-    S = allreduce_sum(s)                           collective 1: N/C fp32 scores
-    J = top ceil(density * N/C) of S               same on every rank (ties: lowest index)
-    grad = 0 ; grad[J] = allreduce_sum(v[J] / p)   collective 2: packed chunks, wire dtype
-    u[J] = 0 ; v[J] = 0                            masking; the rest is error feedback
+    k = floor(c + density*N/C) ; c = c + ... - k   this bucket's chunks, c carried on
+    s_j = ||v_j||_1 for each chunk j of C elems    score (a short last chunk scaled to C)
+    S, B = allreduce_sum(s, max|v| / p)            collective 1: N/C + 1 fp32 values
+    J = top k of S                                 same on every rank (ties: lowest index)
+    w = wire dtype if B fits in it, else fp32      same on every rank (B bounds every sum)
+    x = (v[J] / p).to(w)
+    grad = 0 ; grad[J] = allreduce_sum(x)          collective 2: packed chunks
+    u[J] = 0 ; v[J] = v[J] - p * x                 masking; the rest (and what rounding to
+                                                   w lost) is error feedback
 
-Because ``u`` already carries the momentum, the optimizer must run **without** momentum
-(``torch.optim.SGD(..., momentum=0)``); otherwise momentum is applied twice.
+**The density holds over the whole gradient.** Each bucket owns ``density * N/C`` chunks a
+step and carries the fraction it cannot send, so a bucket of 8 chunks at 1 % sends one chunk
+every 12.5 steps (not one every step, 12.5 %), and the gradient's chunks sent per step are
+``density`` of all its chunks within one chunk per bucket; each bucket is still sent as soon
+as backward makes it ready. A bucket whose turn has not come sends nothing (all of ``v``
+stays). **Nothing overflows or is lost to the wire format**: ``B``, the sum over ranks of
+``max |v| / p``, bounds every value sent and every sum of them, so when it exceeds the wire
+dtype's range (fp16: 65504) the bucket travels in fp32 on every rank alike; rounding to fp16
+(values below ~6e-8 become 0) is subtracted from ``v`` only as far as it was sent, so the
+remainder stays in the residual.
 
 Collective 2 depends on collective 1's result; :class:`~._pending.PhaseOrder` issues it in a
 rank-independent order that keeps overlapping backward (see there). During the dense warm-up
-(``step < warmup_steps``, with ``ramp="dense"``), or when every chunk would be selected anyway
-(always the case at density 1), the scores are
-skipped and the whole of ``v`` is sent in one collective; ``v`` is zeroed but ``u`` is kept,
+(``step < warmup_steps``, with ``ramp="dense"``), or at density 1, the scores are skipped
+and the whole of ``v`` is sent (after the bound, unless the wire is fp32); ``v`` keeps only
+what rounding lost but ``u`` is kept,
 so a dense step is exactly heavy-ball momentum SGD (``u`` is the momentum buffer, ``v = u`` is
 the update) and the warm-up trains like the uncompressed optimizer it replaces. (Masking ``u``
 too, as the sparse steps do, would throw the momentum away at every dense step.)
@@ -33,19 +45,21 @@ dense regime gradually rather than in one jump, so a shorter warm-up reaches the
 longer dense one does (``tests/dist/test_convergence.py`` holds it to its floor).
 
 Bytes on the wire per rank and bucket of ``n`` elements, ``N = ceil(n/C)`` chunks, wire
-element size ``w`` (2 for fp16)::
+element size ``w`` (2 for fp16; 4 for a bucket past fp16's range)::
 
-    sparse:  4*N  +  w * (elements in the selected chunks)   (<= 4*N + w*k*C)
-    dense:   w * n
+    sparse:  4*(N + 1)  +  w * (elements in the selected chunks)   (<= 4*(N+1) + w*k*C)
+    dense:   4 + w * n   (fp32 wire: 4 * n, one collective)
+    not due: 0
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
-from syncline.comm.collectives import Collective, Pending
+from syncline.comm.collectives import Collective, Pending, completed
 from syncline.dp.compression import BucketRef
 from syncline.dp.compressors import chunks as ch
 from syncline.dp.compressors._pending import PhaseOrder, chain
@@ -59,6 +73,8 @@ from syncline.dp.compressors._state import (
 from syncline.errors import ConfigError
 
 _WIRE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: the largest finite value of each wire dtype
+_RANGE = {d: float(torch.finfo(d).max) for d in _WIRE_DTYPES}
 _RAMPS = ("dense", "exp")
 
 
@@ -149,52 +165,80 @@ class CSC:
         v.add_(u)
         return u, v
 
+    def _budget(self, index: int, step: int, n_chunks: int) -> int:
+        """Chunks bucket ``index`` sends at ``step``: its share ``density * n_chunks`` added to
+        the fraction it has carried, rounded down; the fraction left is carried on. So every
+        bucket, and the whole gradient, sends ``density`` of its chunks on average (within
+        one chunk per bucket at any time), a small bucket one chunk every few steps rather
+        than one chunk every step. The same integers on every rank: no communication."""
+        credit = self._buckets[index].setdefault("credit", torch.zeros((), dtype=torch.float64))
+        density = self.density_at(step)
+        if density >= 1.0:
+            credit.zero_()
+            return n_chunks
+        total = float(credit) + density * n_chunks
+        k = min(n_chunks, math.floor(total * (1.0 + 1e-12)))  # 0.07 * 100 is 7, not 6.99..
+        credit.fill_(max(total - k, 0.0))
+        return k
+
     def reduce(self, bucket: BucketRef, grad: torch.Tensor, comm: Collective) -> Pending:
         u, v = self._accumulate(bucket.index, grad)
         n_chunks = ch.num_chunks(grad.numel(), self.chunk_elems)
-        k = ch.chunks_to_send(self.density_at(bucket.step), n_chunks)
+        k = self._budget(bucket.index, bucket.step, n_chunks)
         where = f"bucket {bucket.index} at step {bucket.step}"
-        if k == n_chunks:
-            return self._dense(bucket.index, grad, v, n_chunks, comm, f"csc dense {where}")
-
+        if k == 0:  # its turn has not come: everything stays in the residual
+            self.last_selection[bucket.index] = torch.empty(0, dtype=torch.int64)
+            grad.zero_()
+            self._order.single()
+            return completed(f"csc (nothing due) {where}")
         chunk = self.chunk_elems
-        scores = ch.chunk_scores(v, chunk)
-        first = comm.allreduce(scores, f"csc scores of {where}")
         world = comm.world_size
-        selected = torch.empty(0, dtype=torch.int64)
+        dense = k == n_chunks
+        if dense and self.wire_dtype == torch.float32:  # nothing to round, nothing to bound
+            return self._dense_fp32(bucket.index, grad, v, n_chunks, comm, f"csc dense {where}")
+        if dense:  # a bound of |v| / p is all phase one carries
+            first_part = torch.zeros(0)
+            selected = torch.arange(n_chunks)
+        else:
+            first_part = ch.chunk_scores(v, chunk, normalise=True)
+        bound = v.detach().abs().max().reshape(1).float() / world
+        head = torch.cat([first_part, bound])
+        first = comm.allreduce(head, f"csc {'bound' if dense else 'scores'} of {where}")
         payload = torch.empty(0)
 
         def launch_payload() -> Pending:
             nonlocal selected, payload
-            selected = ch.select_chunks(scores, k)
+            if not dense:
+                selected = ch.select_chunks(head[:-1], k)
             self.last_selection[bucket.index] = selected
-            packed = ch.pack_chunks(v, selected, chunk)
-            if world > 1:
-                packed.div_(world)
-            payload = packed.to(self.wire_dtype)
-            ch.zero_chunks(u, selected, chunk)  # momentum factor masking
-            ch.zero_chunks(v, selected, chunk)
-            return comm.allreduce(payload, f"csc payload of {where}")
+            packed = v.div(world) if dense else ch.pack_chunks(v, selected, chunk).div_(world)
+            # the summed bound >= any |sum of v / p|: past the wire dtype's range, the bucket
+            # travels in fp32 on every rank alike (each rank sees the same summed bound)
+            wire = self.wire_dtype if float(head[-1]) <= _RANGE[self.wire_dtype] else torch.float32
+            payload = packed.to(wire, copy=True)
+            # what rounding to the wire dtype lost stays in the residual (error feedback)
+            lost = packed.sub_(payload.float()).mul_(world)
+            if dense:
+                v.copy_(lost)  # u is kept: a dense step is momentum SGD exactly
+            else:
+                ch.zero_chunks(u, selected, chunk)  # momentum factor masking
+                ch.put_chunks(v, selected, chunk, lost)
+            return comm.allreduce(payload, f"csc {'dense ' if dense else ''}payload of {where}")
 
         def finish() -> None:
-            ch.unpack_chunks(payload, selected, chunk, grad)
+            if dense:
+                grad.copy_(payload)
+            else:
+                ch.unpack_chunks(payload, selected, chunk, grad)
 
         return self._order.submit(first, launch_payload, finish, f"csc reduction of {where}")
 
-    def _dense(
-        self,
-        index: int,
-        grad: torch.Tensor,
-        v: torch.Tensor,
-        n_chunks: int,
-        comm: Collective,
+    def _dense_fp32(
+        self, index: int, grad: torch.Tensor, v: torch.Tensor, n_chunks: int, comm: Collective,
         what: str,
-    ) -> Pending:
-        """Send all of ``v``; keep ``u`` (see the module docstring: momentum SGD exactly)."""
-        if comm.world_size > 1:
-            payload = v.div(comm.world_size).to(self.wire_dtype)
-        else:
-            payload = v.to(self.wire_dtype, copy=True)
+    ) -> Pending:  # fmt: skip
+        """Send all of ``v`` in fp32 in one collective; keep ``u`` (momentum SGD exactly)."""
+        payload = v.div(comm.world_size) if comm.world_size > 1 else v.clone()
         v.zero_()
         self.last_selection[index] = torch.arange(n_chunks)
         sent = comm.allreduce(payload, what)
