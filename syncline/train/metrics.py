@@ -19,12 +19,15 @@ class StepRecord:
     step_s: float
     samples_per_s: float
     tokens_per_s: float
-    wire_bytes: int
+    wire_bytes: int | None
     collectives: int
     exposed_comm_s: float
     elapsed_s: float
     #: pipelines: ``wire_bytes`` by what was sent (activations, gradients, reduce)
     wire_split: dict[str, int] | None = None
+    #: pipelines: ``[a, b]``: the wire figures are the rate over steps ``a+1 .. b`` (they
+    #: lag one record, so that logging never makes the stages wait for each other)
+    wire_steps: list[int] | None = None
     #: the held-out loss after this step's update (steps that validate only)
     val_loss: float | None = None
     #: a language model's validation perplexity, ``exp(val_loss)``
@@ -40,10 +43,11 @@ def timed_record(
     tokens_per_sample: int,
     started: float,
     run_started: float,
-    wire_bytes: int = 0,
+    wire_bytes: int | None = 0,
     collectives: int = 0,
     exposed_comm_s: float = 0.0,
     wire_split: dict[str, int] | None = None,
+    wire_steps: list[int] | None = None,
     ended: float | None = None,
     val_loss: float | None = None,
     val_ppl: float | None = None,
@@ -65,6 +69,7 @@ def timed_record(
         exposed_comm_s=exposed_comm_s,
         elapsed_s=now - run_started,
         wire_split=wire_split,
+        wire_steps=wire_steps,
         val_loss=val_loss,
         val_ppl=val_ppl,
     )
@@ -103,7 +108,10 @@ def summarize(records: list[StepRecord], skip: int = 1) -> dict[str, Any]:
         "median_samples_per_s": statistics.median(r.samples_per_s for r in steady),
         "median_tokens_per_s": statistics.median(r.tokens_per_s for r in steady),
         "median_step_s": statistics.median(r.step_s for r in steady),
-        "wire_bytes_per_step": statistics.median(r.wire_bytes for r in steady),
+        "wire_bytes_per_step": statistics.median(
+            [r.wire_bytes for r in steady if r.wire_bytes is not None]
+            or [r.wire_bytes or 0 for r in records]
+        ),
         "collectives_per_step": statistics.median(r.collectives for r in steady),
         "median_exposed_comm_s": statistics.median(r.exposed_comm_s for r in steady),
         "elapsed_s": records[-1].elapsed_s,

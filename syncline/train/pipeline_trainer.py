@@ -175,7 +175,7 @@ def train_pipeline(
             validated = validation.metrics(validation.pipeline_loss(pipe))
         logged = step % cfg.log_every == 0 or step == cfg.steps - 1 or bool(validated)
         if logged:  # every rank: the job's bytes on the wire go into the record
-            split = wire.per_step(step)
+            measured = wire.per_step(step, final=step == cfg.steps - 1)
         if log is not None and progress is not None and logged:
             record = timed_record(
                 step,
@@ -185,8 +185,9 @@ def train_pipeline(
                 tokens_per_sample=tokens_per_sample,
                 started=t0,
                 run_started=t_start,
-                wire_bytes=sum(split.values()),
-                wire_split=split,
+                wire_bytes=None if measured is None else sum(measured[0].values()),
+                wire_split=None if measured is None else measured[0],
+                wire_steps=None if measured is None else measured[1],
                 ended=t_end,
                 val_loss=validated.get("val_loss"),
                 val_ppl=validated.get("val_ppl"),
@@ -221,25 +222,49 @@ def train_pipeline(
 
 class _WireMeter:
     """The job's bytes on the wire per step: every rank's :attr:`Pipeline.wire_bytes`,
-    summed over the ranks (a small allreduce at each logged step, which every rank logs
-    alike) and averaged over the steps since the previous record."""
+    summed over the ranks, as a rate over an interval of steps.
+
+    [Note: no barrier at a logged step] A blocking allreduce at each logged step would make
+    every rank wait for the slowest one there, and 2BW, whose stages run one batch apart
+    (the first stage finishes batch t while the last already works on t+1), would lose the
+    overlap it exists for at every logged step. So the sum is started without waiting, and
+    collected one logged step later, when every rank has long issued it: a record carries
+    the rate over the interval that ended at the *previous* logged step (``wire_steps``:
+    ``[a, b]``, the steps ``a+1 .. b``); the last record waits, and covers the rest.
+    """
 
     KINDS = ("activations", "gradients", "reduce")
 
     def __init__(self, pipe: Pipeline, start: int, timeout_s: float, device: torch.device):
         self._pipe, self._timeout_s, self._device = pipe, timeout_s, device
         self._last_step, self._last = start - 1, torch.zeros(3, dtype=torch.float64)
+        self._inflight: tuple[int, comm.Pending, torch.Tensor] | None = None
 
-    def per_step(self, step: int) -> dict[str, int]:
+    def per_step(self, step: int, final: bool) -> tuple[dict[str, int], list[int]] | None:
+        """Start the sum at ``step``; the rate over the interval collected now (see the
+        class docstring), or ``None`` when none is (the first record)."""
         mine = self._pipe.wire_bytes
         sent = torch.tensor([float(mine[k]) for k in self.KINDS], dtype=torch.float64)
         sent = sent.to(self._device)
         what = f"sum of the bytes on the wire at step {step}"
-        comm.FlatAllreduce(None, timeout_s=self._timeout_s).allreduce(sent, what).wait()
-        total = sent.cpu()
+        pending = comm.FlatAllreduce(None, timeout_s=self._timeout_s).allreduce(sent, what)
+        previous, self._inflight = self._inflight, (step, pending, sent)
+        if final:
+            if previous is not None:
+                previous[1].wait()
+            pending.wait()
+            return self._rate(step, sent)
+        if previous is None:
+            return None
+        previous[1].wait()
+        return self._rate(previous[0], previous[2])
+
+    def _rate(self, step: int, total: torch.Tensor) -> tuple[dict[str, int], list[int]]:
+        total = total.cpu()
         per = (total - self._last) / (step - self._last_step)
+        interval = [self._last_step, step]
         self._last_step, self._last = step, total
-        return {k: round(float(v)) for k, v in zip(self.KINDS, per, strict=True)}
+        return {k: round(float(v)) for k, v in zip(self.KINDS, per, strict=True)}, interval
 
 
 def _segment_ends(start: int, steps: int, every: int) -> dict[int, int]:

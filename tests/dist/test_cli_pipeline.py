@@ -96,14 +96,20 @@ def test_two_replicas_of_a_2bw_pipeline_with_fp16_gradient_compression(tmp_path)
     # bytes on the wire, summed over the ranks: per step and replica, m=2 activations of
     # 4 sequences x 16 tokens x 32 wide in fp32 go forward and as many gradients back;
     # each stage's replicas send its gradient in fp16. The records hold the rate since the
-    # previous record; 2BW's steps overlap, but all 6 batches are sent by the last one.
+    # interval in ``wire_steps`` (one record behind: logging sets no barrier, which 2BW's
+    # overlap would pay for); the intervals cover every step, and all 6 batches are sent by
+    # the last one.
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    steps = [r["step"] for r in records]
     sent = {k: 0 for k in ("activations", "gradients", "reduce")}
-    for prev, r in zip([-1, *steps], records, strict=False):
-        assert r["wire_bytes"] == sum(r["wire_split"].values())
+    covered = []
+    assert records[0]["wire_steps"] is None  # nothing collected yet at the first record
+    for r in records[1:]:
+        a, b = r["wire_steps"]
+        assert b <= r["step"] and r["wire_bytes"] == sum(r["wire_split"].values())
+        covered += list(range(a + 1, b + 1))
         for k in sent:
-            sent[k] += r["wire_split"][k] * (r["step"] - prev)
+            sent[k] += r["wire_split"][k] * (b - a)
+    assert covered == list(range(6))
     one_way = 6 * 2 * 2 * (4 * 16 * 32 * 4)  # batches x replicas x micro-batches x bytes
     # the REDUCE: 6 batches x 2 replicas x 2 bytes per parameter
     want = {"activations": one_way, "gradients": one_way, "reduce": 24 * summary["parameters"]}
