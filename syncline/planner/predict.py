@@ -48,6 +48,10 @@ MiB = 2**20
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "lamb": 2, "sgd": 1, "lars": 1}
 #: per-parameter state a compressor keeps, in gradient-sized buffers (CSC: u and v)
 COMPRESSOR_STATES = {"none": 0, "fp16": 0, "bf16": 0, "csc": 2, "topk": 1, "powersgd": 1}
+#: bytes per element of the largest bucket a compressor allocates while it reduces it,
+#: freed afterwards: TopK's ``|a|`` (4) and its candidate mask (1); CSC's chunk scores read
+#: ``|v|`` (4); fp16/bf16 and PowerSGD's payloads are counted in their wire buffers (2)
+COMPRESSOR_TRANSIENT = {"topk": 5, "csc": 4, "fp16": 2, "bf16": 2, "powersgd": 2}
 
 
 @dataclass(frozen=True)
@@ -260,7 +264,15 @@ def predict_data_parallel(costs: ModelCosts, cluster: Cluster, config: Configura
     overhead = cluster.step_overhead_s
     step = forward + bwd_end + exposed + update + overhead
     activations = sum(layer.activation_bytes for layer in costs.layers) * b
-    memory = _state_bytes(costs.params, costs, config, 1) + activations + costs.input_bytes * b
+    largest = max((numel for numel, _ in _buckets(costs, config)), default=0)
+    compressor = compressor_name(config.compression) if config.ranks > 1 else "none"
+    transient = COMPRESSOR_TRANSIENT.get(compressor, 0) * largest
+    memory = (
+        _state_bytes(costs.params, costs, config, 1)
+        + activations
+        + costs.input_bytes * b
+        + transient
+    )
     breakdown = {
         "compute": forward + backward,
         "slowdown": bwd_end - backward,
@@ -440,6 +452,9 @@ def predict_pipeline(costs: ModelCosts, cluster: Cluster, config: Configuration)
             kept = st.input_bytes[s] + (0.0 if config.recompute else st.activation_bytes[s])
             total += held * kept + (st.activation_bytes[s] if config.recompute else 0.0)
             total += _state_bytes(st.params[s], costs, config, versions)
+            if config.width > 1:  # the REDUCE compresses the stage's gradient in one buffer
+                name = compressor_name(config.compression)
+                total += COMPRESSOR_TRANSIENT.get(name, 0) * st.params[s]
         per_rank.append(total)
     hops = [link_of(s, s + 1).time(st.out_bytes[s]) for s in range(n - 1)]
     messages = 2 * m * max(hops, default=0.0)

@@ -201,7 +201,8 @@ class CSC:
             selected = torch.arange(n_chunks)
         else:
             first_part = ch.chunk_scores(v, chunk, normalise=True)
-        bound = v.detach().abs().max().reshape(1).float() / world
+        # max |v| without a |v| copy of the bucket (two reductions, no allocation)
+        bound = torch.maximum(v.max(), -v.min()).detach().reshape(1).float() / world
         head = torch.cat([first_part, bound])
         first = comm.allreduce(head, f"csc {'bound' if dense else 'scores'} of {where}")
         payload = torch.empty(0)
