@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from syncline.errors import ConfigError
+from syncline.optim._common import check, closure_loss, trust_ratio
 
 
 class Lamb(torch.optim.Optimizer):
@@ -51,17 +51,14 @@ class Lamb(torch.optim.Optimizer):
         clamp: float = 10.0,
         adapt_1d: bool = False,
     ) -> None:
-        checks = {
-            "lr": lr > 0,
-            "betas": all(0 <= b < 1 for b in betas) and len(betas) == 2,
-            "eps": eps > 0,
-            "weight_decay": weight_decay >= 0,
-            "clamp": clamp > 0,
+        checks: dict[str, tuple[Any, bool]] = {
+            "lr": (lr, lr > 0),
+            "betas": (betas, all(0 <= b < 1 for b in betas) and len(betas) == 2),
+            "eps": (eps, eps > 0),
+            "weight_decay": (weight_decay, weight_decay >= 0),
+            "clamp": (clamp, clamp > 0),
         }
-        for name, ok in checks.items():
-            if not ok:
-                value = locals()[name]
-                raise ConfigError(f"Lamb {name}={value!r} is out of range (see its docstring)")
+        check("Lamb", checks)
         defaults = {
             "lr": lr,
             "betas": tuple(betas),
@@ -74,10 +71,7 @@ class Lamb(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -102,9 +96,7 @@ class Lamb(torch.optim.Optimizer):
                         update.add_(p, alpha=group["weight_decay"])
                     w_norm = torch.linalg.vector_norm(p).clamp(max=group["clamp"])
                     u_norm = torch.linalg.vector_norm(update)
-                    ratio = torch.where(
-                        (w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm)
-                    )
+                    ratio = trust_ratio(w_norm, u_norm)
                     update.mul_(ratio)
                 p.add_(update, alpha=-group["lr"])
         return loss

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from syncline.errors import ConfigError
+from syncline.optim._common import check, closure_loss, trust_ratio
 
 
 class Lars(torch.optim.Optimizer):
@@ -51,17 +51,14 @@ class Lars(torch.optim.Optimizer):
         eps: float = 1e-8,
         adapt_1d: bool = False,
     ) -> None:
-        checks = {
-            "lr": lr > 0,
-            "momentum": 0 <= momentum < 1,
-            "weight_decay": weight_decay >= 0,
-            "trust_coefficient": trust_coefficient > 0,
-            "eps": eps >= 0,
+        checks: dict[str, tuple[Any, bool]] = {
+            "lr": (lr, lr > 0),
+            "momentum": (momentum, 0 <= momentum < 1),
+            "weight_decay": (weight_decay, weight_decay >= 0),
+            "trust_coefficient": (trust_coefficient, trust_coefficient > 0),
+            "eps": (eps, eps >= 0),
         }
-        for name, ok in checks.items():
-            if not ok:
-                value = locals()[name]
-                raise ConfigError(f"Lars {name}={value!r} is out of range (see its docstring)")
+        check("Lars", checks)
         defaults = {
             "lr": lr,
             "momentum": momentum,
@@ -74,10 +71,7 @@ class Lars(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -89,11 +83,8 @@ class Lars(torch.optim.Optimizer):
                     if group["weight_decay"]:
                         g = g.add(p, alpha=group["weight_decay"])
                     w_norm, g_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(g)
-                    ratio = torch.where(
-                        (w_norm > 0) & (g_norm > 0),
-                        group["trust_coefficient"] * w_norm / (g_norm + group["eps"]),
-                        torch.ones_like(w_norm),
-                    )
+                    eta = group["trust_coefficient"]
+                    ratio = trust_ratio(eta * w_norm, g_norm + group["eps"] * (g_norm > 0))
                     g = g * ratio
                 if group["momentum"]:
                     state = self.state[p]

@@ -134,9 +134,11 @@ def test_model_layers_match_the_models_that_are_built() -> None:
 
 def test_csc_beside_adam_is_well_defined_without_its_momentum() -> None:
     for optimizer in ("adamw", "lamb"):
-        TrainConfig(compression="csc:0.01:momentum=0", optimizer=optimizer)
+        cfg = TrainConfig(compression="csc:0.01:momentum=0", optimizer=optimizer)
+        assert cfg.optimizer == optimizer and cfg.owns_momentum
     for optimizer in ("sgd", "lars"):  # their momentum moves into CSC
-        TrainConfig(compression="csc:0.01", optimizer=optimizer)
+        cfg = TrainConfig(compression="csc:0.01", optimizer=optimizer)
+        assert cfg.optimizer == optimizer and cfg.owns_momentum
 
 
 @pytest.mark.parametrize(
