@@ -11,6 +11,12 @@ recipes at each large batch:
   rule, and a warm-up of ``--warmup-fraction`` of the steps (Goyal et al. 2017; You et al.
   2017, 2019).
 
+The recipe's own base learning rate (LAMB's and LARS's are relative: the fraction of each
+tensor's norm a step may move, not AdamW's or SGD's absolute step) is tuned with
+``--recipe-lrs``: each value is run at every large batch and the best final held-out loss is
+reported as the recipe, every value's run kept under ``sweep`` in the JSON. The naive setting
+is not tuned: it is the base run's learning rate scaled linearly, as a user would first try.
+
 Reported per run: the held-out loss at the end (the same held-out batches for every run),
 the gap to the base batch's, the resolved peak learning rate, and the wall time; a plot of
 validation loss against samples seen goes next to the JSON.
@@ -115,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--factors", default="8,32")
     ap.add_argument("--warmup-fraction", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--recipe-lrs", default=None, help="recipe base lrs to try, e.g. 0.01,0.02")
     ap.add_argument("--work", type=Path, default=Path("runs/bench-large-batch"))
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
@@ -124,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     for model in a.models.split(","):
         spec = MODELS[model]
         runs: dict[str, Any] = {}
+        sweeps: dict[str, list[dict[str, Any]]] = {}
         base_warmup = max(1, int(a.warmup_fraction * a.base_steps))
         runs["base"] = _run(model, "base", a.base_batch, a.base_steps, spec["base"], base_warmup, a)
         for f in factors:
@@ -131,14 +139,23 @@ def main(argv: list[str] | None = None) -> int:
             batch = a.base_batch * f
             runs[f"naive x{f}"] = _run(model, "naive", batch, steps, spec["naive"], 0, a)
             warmup = max(1, int(a.warmup_fraction * steps))
-            runs[f"recipe x{f}"] = _run(model, "recipe", batch, steps, spec["recipe"], warmup, a)
+            lrs = [float(x) for x in a.recipe_lrs.split(",")] if a.recipe_lrs else [None]
+            tried = []
+            for lr in lrs:
+                recipe = dict(spec["recipe"], **({"lr": lr} if lr is not None else {}))
+                name = "recipe" if lr is None else f"recipe-lr{lr:g}"
+                tried.append(_run(model, name, batch, steps, recipe, warmup, a))
+            ok = [r for r in tried if "final_val_loss" in r]
+            runs[f"recipe x{f}"] = min(ok, key=lambda r: r["final_val_loss"]) if ok else tried[0]
+            if len(lrs) > 1:
+                sweeps[f"recipe x{f}"] = tried
         base = runs["base"].get("final_val_loss")
         gaps = {
             label: run["final_val_loss"] / base - 1.0
             for label, run in runs.items()
             if label != "base" and "final_val_loss" in run and base
         }
-        result["models"][model] = {"runs": runs, "gap_to_base": gaps}
+        result["models"][model] = {"runs": runs, "gap_to_base": gaps, "sweep": sweeps}
         print(f"{model}: gaps to the base batch's final held-out loss: "
               + ", ".join(f"{k} {v:+.1%}" for k, v in gaps.items()), flush=True)  # fmt: skip
     if a.out is not None:

@@ -49,8 +49,9 @@ OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "lamb": 2, "sgd": 1, "lars": 1}
 #: per-parameter state a compressor keeps, in gradient-sized buffers (CSC: u and v)
 COMPRESSOR_STATES = {"none": 0, "fp16": 0, "bf16": 0, "csc": 2, "topk": 1, "powersgd": 1}
 #: bytes per element of the largest bucket a compressor allocates while it reduces it,
-#: freed afterwards: TopK's ``|a|`` (4) and its candidate mask (1); CSC's chunk scores read
-#: ``|v|`` (4); fp16/bf16 and PowerSGD's payloads are counted in their wire buffers (2)
+#: freed afterwards: TopK's ``|a|`` (4) and its candidate mask (1); CSC's fp32 payload of a
+#: dense step (4; its chunk scores read ``|v|`` only 4 MiB at a time); fp16/bf16 and
+#: PowerSGD's payloads are counted in their wire buffers (2)
 COMPRESSOR_TRANSIENT = {"topk": 5, "csc": 4, "fp16": 2, "bf16": 2, "powersgd": 2}
 
 

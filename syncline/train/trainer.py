@@ -187,6 +187,7 @@ def _finish(
         parameters=sum(p.numel() for p in model.parameters()),
         gradient_bytes=dp.bucket_plan.total_numel * 4,
         buckets=len(dp.bucket_plan.buckets),
+        bucket_numels=[b.numel for b in dp.bucket_plan.buckets],
         bucket_tuning=dp.bucket_tuning,
         compression=cfg.compression,
         allreduce=cfg.allreduce,

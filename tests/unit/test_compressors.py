@@ -53,6 +53,18 @@ def test_chunks_to_send_is_ceil_of_density(density: float, n_chunks: int, k: int
     assert ch.chunks_to_send(density, n_chunks) == k
 
 
+@pytest.mark.parametrize("block", [1, 8, 12, 1 << 20])
+def test_chunk_scores_in_blocks_of_rows_equal_the_whole_bucket_at_once(
+    block: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scoring a block of chunks at a time (bounded memory) changes no score, whatever the
+    block's size against the chunk's (smaller, a multiple, not a multiple, larger)."""
+    v = torch.randn(4 * 9 + 3, generator=torch.Generator().manual_seed(0))
+    whole = torch.cat([v[:36].view(9, 4).abs().sum(dim=1), v[36:].abs().sum().reshape(1)])
+    monkeypatch.setattr(ch, "_SCORE_BLOCK", block)
+    assert torch.equal(ch.chunk_scores(v, 4), whole)
+
+
 def test_chunk_scores_are_l1_norms_with_a_short_last_chunk() -> None:
     v = torch.tensor([1.0, -2.0, 3.0, -4.0, 5.0])
     assert ch.chunk_scores(v, 2).tolist() == [3.0, 7.0, 5.0]

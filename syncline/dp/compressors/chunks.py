@@ -28,6 +28,10 @@ def chunks_to_send(density: float, n_chunks: int) -> int:
     return max(1, min(n_chunks, k))
 
 
+#: elements of ``|v|`` materialised at a time while scoring chunks (4 MiB in fp32)
+_SCORE_BLOCK = 1 << 20
+
+
 def chunk_scores(v: torch.Tensor, chunk_elems: int, *, normalise: bool = False) -> torch.Tensor:
     """``||v_j||_1`` of every chunk ``j``, in fp32 (the vector all ranks sum).
 
@@ -39,7 +43,14 @@ def chunk_scores(v: torch.Tensor, chunk_elems: int, *, normalise: bool = False) 
     """
     full, tail = divmod(v.numel(), chunk_elems)
     body = v.detach()[: full * chunk_elems].view(full, chunk_elems)
-    scores = body.abs().sum(dim=1, dtype=torch.float32)
+    scores = torch.empty(full, dtype=torch.float32, device=v.device)
+    # |v| a block of rows at a time: a whole-bucket |v| copy would be freed straight after,
+    # yet at tens of MiB it is past glibc's (adaptive) mmap threshold and stays in the heap
+    # of whichever thread freed it, so resident memory grew by several copies over a run
+    rows = max(1, _SCORE_BLOCK // chunk_elems)
+    for start in range(0, full, rows):
+        block = body[start : start + rows]
+        torch.sum(block.abs(), dim=1, dtype=torch.float32, out=scores[start : start + rows])
     if not tail:
         return scores
     last = v.detach()[full * chunk_elems :].abs().sum(dtype=torch.float32)
