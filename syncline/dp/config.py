@@ -8,7 +8,10 @@ from typing import Any
 from syncline.errors import ConfigError
 from syncline.fields import check_positive
 
-__all__ = ["DataParallelConfig"]
+__all__ = ["PRECISIONS", "DataParallelConfig"]
+
+#: ``precision``: fp32, or autocast in bf16 / fp16 (fp32 master weights; fp16 loss-scaled)
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)

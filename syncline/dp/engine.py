@@ -342,6 +342,23 @@ class DataParallel(nn.Module):
         """
         return self._reducer.sync_all()
 
+    def unscale_in_reduce(self, scale: float) -> None:
+        """fp16 loss scaling beside a compressor with a residual (CSC, TopK, PowerSGD): the
+        next backward divides each bucket by ``scale`` *before* the compressor sees it, and
+        zeroes (and flags, :meth:`overflowed_in_reduce`) any inf or NaN. So the residual
+        holds true-scale, finite values whatever the scale does, and the gradients this
+        backward leaves are already unscaled. ``scale=1`` turns it off."""
+        if not scale > 0:
+            raise ConfigError(f"unscale_in_reduce(scale={scale!r}); valid: a scale > 0")
+        self._reducer.grad_scale = 1.0 / scale
+        self._reducer.overflow = None
+
+    def overflowed_in_reduce(self) -> bool:
+        """Whether a bucket of this rank held an inf or NaN since :meth:`unscale_in_reduce`
+        (this rank alone: the verdict is the caller's to agree on)."""
+        flag = self._reducer.overflow
+        return flag is not None and bool(flag)
+
     # -- state --------------------------------------------------------------------------
     def compression_state_dict(self) -> dict[str, Any]:
         """The compressor's state (residuals, factors), for checkpoints."""

@@ -128,6 +128,10 @@ class Reducer:
         self.group = group
         self.tuning = tuning
         self.sparse_names = [n for n, _ in sparse]
+        # fp16 beside an error-feedback compressor: buckets are unscaled before they reach
+        # it, their non-finite values zeroed and flagged (see DataParallel.unscale_in_reduce)
+        self.grad_scale = 1.0
+        self.overflow: torch.Tensor | None = None
         self.sparse_params = [p for _, p in sparse]
         self.world_size = comm.group_size(group)
         self.hooks: list[Any] = []
@@ -247,9 +251,20 @@ class Reducer:
             b = buckets[st.next_bucket]
             buf.gather_bucket(b.index)
             compressor = self.compressor if st.steps_synced > 0 else self.dense
+            if self.grad_scale != 1.0:
+                self._unscale(buf.bucket(b.index))
             ref = BucketRef(b.index, st.steps_synced, buf.layouts[b.index])
             st.pending.append(compressor.reduce(ref, buf.bucket(b.index), self.collective))
             st.next_bucket += 1
+
+    def _unscale(self, bucket: torch.Tensor) -> None:
+        """Divide a bucket by the loss scale; an inf or NaN (an fp16 overflow) is noted in
+        ``overflow`` and replaced by 0, so that no compressor keeps it in a residual. No
+        host sync: the flag stays a tensor until the step's verdict reads it."""
+        bucket.mul_(self.grad_scale)
+        bad = torch.isfinite(bucket).all().logical_not()
+        self.overflow = bad if self.overflow is None else self.overflow.logical_or(bad)
+        torch.nan_to_num_(bucket, nan=0.0, posinf=0.0, neginf=0.0)
 
     def finish_backward(self) -> None:
         """End of a synchronised backward: flush, wait, account, re-lay or re-cut if due."""

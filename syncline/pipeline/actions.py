@@ -14,6 +14,7 @@ import torch
 
 from syncline.pipeline.batches import Batch, to_device
 from syncline.pipeline.links import Links
+from syncline.pipeline.precision import PipelinePrecision
 from syncline.pipeline.replicas import StageReplicas
 from syncline.pipeline.stage import Stage
 from syncline.pipeline.tied import TiedGradients
@@ -34,6 +35,9 @@ class ActionHandlers:
     _recompute: bool
     _replicas: StageReplicas | None
     _tied: TiedGradients | None
+    _precision: PipelinePrecision
+    _d: int
+    _last_rank: int
 
     def _signature(self, a: Action) -> tuple[tuple[int, ...], torch.dtype]:
         """Shape and dtype of the micro-batch input behind ``a`` (known on every rank)."""
@@ -101,4 +105,28 @@ class ActionHandlers:
 
     def _step(self, a: Action) -> None:
         assert a.batch is not None
-        self._stages[a.stage].step(a.batch, a.version, before=lambda: None)
+        stage, batch = self._stages[a.stage], a.batch
+
+        def before() -> bool:  # the stage's gradient is on its Parameters now
+            mine = [p.grad for p in stage.module.parameters() if p.grad is not None]
+            every = [  # this rank's other stages (interleaved) finished the batch too
+                p.grad for s in self._stages.values() for p in s.module.parameters()
+                if p.grad is not None
+            ]  # fmt: skip
+            return self._precision.before_step(batch, mine, every)
+
+        stage.step(batch, a.version, before=before)
+
+    def _broadcast_loss(self, batch: int) -> float:
+        """Every rank gets the batch loss from the last stage. The last stage does not wait
+        for the others to take it (its sends complete during its next call), so it can go
+        on with the next batch while the first stage finishes this one; the others posted
+        the receive when the call began (:meth:`Links.expect_loss`)."""
+        last = self._stages.get(self._d - 1)
+        if last is None:
+            return float(self._links.recv_loss(batch, self._last_rank).item())
+        value = torch.tensor([last.pop_loss(batch)], dtype=torch.float64, device=self._device)
+        if self._replicas is not None:
+            self._replicas.average_loss(value, batch)
+        self._links.send_loss(value, batch, self._call)
+        return float(value.item())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from syncline.dp.config import PRECISIONS
 from syncline.errors import ConfigError
 from syncline.fields import check_positive
 from syncline.schedule.registry import SCHEDULES, check_microbatches
@@ -42,6 +43,9 @@ class PipelineConfig:
     """Layers per stage; ``None``: profile the layers on the first micro-batch and balance."""
     timeout_s: float = 300.0
     """The longest any wait on another rank may take."""
+    precision: str = "fp32"
+    """``fp32``, or ``bf16`` / ``fp16`` autocast (fp16 with loss scaling every rank agrees
+    on; :mod:`syncline.pipeline.precision`)."""
 
     def __post_init__(self) -> None:
         d = _check_int("num_stages", self.num_stages)
@@ -52,6 +56,10 @@ class PipelineConfig:
             raise ConfigError(f"recompute={self.recompute!r} is invalid; valid: True or False")
         if isinstance(self.balance, list):
             object.__setattr__(self, "balance", tuple(self.balance))
+        if self.precision not in PRECISIONS:
+            raise ConfigError(
+                f"precision={self.precision!r} is invalid; valid: {', '.join(PRECISIONS)}"
+            )
         try:
             check_positive("timeout_s", self.timeout_s)
         except ConfigError:

@@ -33,6 +33,7 @@ from torch import nn
 from syncline import comm
 from syncline.comm.p2p import PointToPoint
 from syncline.dp.compression import Compressor
+from syncline.dp.precision import LossScaler
 from syncline.errors import CommError, ConfigError
 from syncline.models.meta_init import LayerInit
 from syncline.models.meta_modules import ModuleInit
@@ -45,6 +46,7 @@ from syncline.pipeline.config import DEFAULT_SCHEDULE, PipelineConfig
 from syncline.pipeline.evaluate import ForwardOnly
 from syncline.pipeline.links import Links, tied_tag
 from syncline.pipeline.memory import StageMemoryStats
+from syncline.pipeline.precision import PipelinePrecision
 from syncline.pipeline.replicas import StageReplicas, check_compression, check_groups
 from syncline.pipeline.split import full_state
 from syncline.pipeline.stage import LossFn, OptimizerFactory, Stage
@@ -125,6 +127,8 @@ class Pipeline(ActionHandlers):
             by name (:mod:`syncline.models.meta_modules`; HF: ``model._init_weights``).
         seed: the run's seed for that (``materialize(model, seed=...)`` gives the same
             full model in one process).
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (autocast; fp16 loss-scaled, every
+            stage and replica skipping the same steps: :mod:`syncline.pipeline.precision`).
         track_memory: measure stashed activations for :meth:`memory_stats` with autograd
             saved-tensor hooks. Off by default, as a profiler would be: a Python hook per
             saved tensor costs a few per cent of a small model's step on CPU; without it
@@ -166,6 +170,7 @@ class Pipeline(ActionHandlers):
         init: LayerInit | ModuleInit | None = None,
         seed: int = 0,
         split_points: Sequence[str] | None = None,
+        precision: str = "fp32",
     ) -> None:
         config = PipelineConfig(
             num_stages=num_stages,
@@ -174,6 +179,7 @@ class Pipeline(ActionHandlers):
             recompute=recompute,
             balance=tuple(balance) if isinstance(balance, list | tuple) else balance,
             timeout_s=timeout_s,
+            precision=precision,
         )
         self._split_points = None if split_points is None else list(split_points)
         check_args(module, config, self._split_points)
@@ -204,6 +210,9 @@ class Pipeline(ActionHandlers):
         first = next(module.parameters(), None)
         default = first.device if first is not None and not first.is_meta else torch.device("cpu")
         self._device = torch.device(device) if device is not None else default
+        dp = [data_parallel_group] if width > 1 else []
+        self._precision = PipelinePrecision(precision, [process_group, *dp], self._timeout_s,
+            self._device, self._compression if dp else None)  # fmt: skip
         self._last_rank = self._plan.schedule.rank_of(num_stages - 1)
         self._stages: dict[int, Stage] = {}
         self._balance: list[int] | None = None
@@ -318,6 +327,11 @@ class Pipeline(ActionHandlers):
         neighbouring stages) and ``reduce`` (to its replicas, as compressed)."""
         reduce = 0 if self._replicas is None else self._replicas.wire_bytes
         return {**self._links.sent, "reduce": reduce}
+
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        """fp16's loss scale (its ``state_dict`` belongs in a checkpoint); else ``None``."""
+        return self._precision.scaler
 
     @property
     def data_parallel_size(self) -> int:
@@ -488,7 +502,7 @@ class Pipeline(ActionHandlers):
         return Stage(
             s, part, last=s == self._d - 1, loss_fn=self._loss_fn, optimizer=self._optimizer,
             num_microbatches=self._m, versioned=SCHEDULES.get(self._plan.name).versioned,
-            track_memory=self._track_memory,
+            track_memory=self._track_memory, precision=self._precision,
         )  # fmt: skip
 
     def _check_inputs(self, batch: Batch) -> None:
@@ -540,17 +554,3 @@ class Pipeline(ActionHandlers):
         except CommError as exc:
             self._broken = str(exc)
             raise
-
-    def _broadcast_loss(self, batch: int) -> float:
-        """Every rank gets the batch loss from the last stage. The last stage does not wait
-        for the others to take it (its sends complete during its next call), so it can go
-        on with the next batch while the first stage finishes this one; the others posted
-        the receive when the call began (:meth:`Links.expect_loss`)."""
-        last = self._stages.get(self._d - 1)
-        if last is None:
-            return float(self._links.recv_loss(batch, self._last_rank).item())
-        value = torch.tensor([last.pop_loss(batch)], dtype=torch.float64, device=self._device)
-        if self._replicas is not None:
-            self._replicas.average_loss(value, batch)
-        self._links.send_loss(value, batch, self._call)
-        return float(value.item())

@@ -27,6 +27,7 @@ from torch import nn
 from syncline.errors import ConfigError
 from syncline.pipeline.memory import StageMemoryStats, StashMeter, storage_key
 from syncline.pipeline.packets import Codec, Single
+from syncline.pipeline.precision import PipelinePrecision
 from syncline.pipeline.versions import Tensors, WeightVersions
 
 Key = tuple[int, int]
@@ -82,8 +83,10 @@ class Stage:
         num_microbatches: int,
         versioned: bool,
         track_memory: bool = True,
+        precision: PipelinePrecision | None = None,
     ) -> None:
         self.index = index
+        self.precision = precision
         self.module = module
         self.first = index == 0
         self.last = last
@@ -135,12 +138,16 @@ class Stage:
         params: Tensors | None,
         target: Any,
     ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        out = self._call(received, inputs, params)
-        if self.last:
-            if self.traced:
-                (out,) = out
-            return [out], self._loss_fn(out, target)
+        with self._autocast():
+            out = self._call(received, inputs, params)
+            if self.last:
+                if self.traced:
+                    (out,) = out
+                return [out], self._loss_fn(out, target)
         return (list(out) if self.traced else [out]), None
+
+    def _autocast(self) -> AbstractContextManager[None]:
+        return nullcontext() if self.precision is None else self.precision.autocast()
 
     # -- actions -------------------------------------------------------------------------
 
@@ -205,7 +212,8 @@ class Stage:
             received = self._in.unpack(x)
         else:
             received = [] if x is None else [x]
-        out = self._call(received, inputs, None)
+        with self._autocast():
+            out = self._call(received, inputs, None)
         if self._out is None:
             return out[0] if self.traced else out
         return self._out.pack(list(out) if self.traced else [out], self.index)
@@ -235,7 +243,9 @@ class Stage:
         if self._out is None:
             if mb.loss is None:
                 raise RuntimeError(f"micro-batch {key} has no loss to backpropagate")
-            (mb.loss / self._m).backward()
+            scale = 1.0 if self.precision is None else self.precision.loss_scale(key[0])
+            loss = mb.loss / self._m
+            (loss if scale == 1.0 else loss * scale).backward()
         else:
             if mb.output is None or grad_output is None:
                 raise RuntimeError(f"micro-batch {key} has no output or no received gradient")
@@ -277,12 +287,13 @@ class Stage:
             return dict(self.versions.tensors(version))
         return dict(self.module.named_parameters())
 
-    def step(self, batch: int, produces: int | None, before: Callable[[], None]) -> None:
-        """The optimizer step after ``batch``'s last backward (2BW: makes ``produces``)."""
+    def step(self, batch: int, produces: int | None, before: Callable[[], bool]) -> None:
+        """The optimizer step after ``batch``'s last backward (2BW: makes ``produces``);
+        ``before()``, with the gradients on the Parameters, says whether to step at all."""
         used = self._batch_version.pop(batch, None)
         if self.versions is None or used is None or produces is None:
-            before()
-            self.optimizer.step()
+            if before():
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             return
         self.versions.step(used, produces, self.optimizer, before)

@@ -128,7 +128,7 @@ class WeightVersions:
         self._uses[version] -= 1
 
     def step(
-        self, used: int, produces: int, optimizer: torch.optim.Optimizer, before: Callable[[], None]
+        self, used: int, produces: int, optimizer: torch.optim.Optimizer, before: Callable[[], bool]
     ) -> None:
         """Make version ``produces`` from the newest with the gradient accumulated on ``used``.
 
@@ -136,7 +136,9 @@ class WeightVersions:
             used: the version the finished batch ran on.
             produces: must be ``newest + 1``.
             optimizer: over this stage's Parameters.
-            before: run once the Parameters hold their gradient, before the optimizer. The
+            before: run once the Parameters hold their gradient, before the optimizer, which
+                runs only if it returns ``True`` (an fp16 overflow skips the step: version
+                ``produces`` is then the newest's copy, unchanged). The
                 data-parallel average has happened already: the REDUCE action before the
                 STEP replaced ``used``'s ``.grad`` by the replicas' average
                 (:meth:`~syncline.pipeline.stage.Stage.grad_holders`).
@@ -175,8 +177,8 @@ class WeightVersions:
         self._install(produces, buffers)
         for name, p in self._params.items():
             p.grad = grads[name]
-        before()
-        optimizer.step()
+        if before():
+            optimizer.step()
         for p in self._params.values():
             p.grad = None
 

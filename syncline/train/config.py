@@ -14,6 +14,7 @@ from typing import Any
 
 from syncline.comm.registry import ALLREDUCE
 from syncline.data.registry import DATASETS
+from syncline.dp.config import PRECISIONS
 from syncline.dp.registry import COMPRESSORS, compressor_name, forms, parse
 from syncline.errors import ConfigError
 from syncline.fields import check_positive, check_positive_int, option
@@ -26,8 +27,6 @@ __all__ = ["BACKENDS", "FAILURE_PHASES", "LR_SCALINGS", "OPTIMIZERS", "PRECISION
 
 OPTIMIZERS = ("adamw", "sgd", "lars", "lamb")
 LR_SCALINGS = ("none", "linear", "sqrt")
-#: ``--precision``: fp32, or autocast in bf16 / fp16 (fp32 master weights; fp16 loss-scaled)
-PRECISIONS = ("fp32", "bf16", "fp16")
 #: optimizers with a first moment of their own (momentum beside a compressor's is refused)
 ADAPTIVE = ("adamw", "lamb")
 #: where ``--inject-failure RANK:STEP:PHASE`` strikes: ``start`` (exit code 17 before the
@@ -276,18 +275,13 @@ class TrainConfig:
             raise ConfigError(
                 f"precision={self.precision!r} is unknown; valid: {', '.join(PRECISIONS)}"
             )
-        if self.precision != "fp32" and self.pipeline_stages > 1:
-            raise ConfigError(
-                f"precision={self.precision!r} with pipeline_stages={self.pipeline_stages} is "
-                "not supported yet (mixed precision runs under data parallelism); valid: "
-                "--precision fp32 with pipelines"
-            )
         spec = COMPRESSORS.get(compressor_name(self.compression))
-        if self.precision == "fp16" and spec.error_feedback:
+        if self.precision == "fp16" and spec.error_feedback and self.pipeline_stages > 1:
             raise ConfigError(
-                f"precision='fp16' with compression={self.compression!r} is not supported: an "
-                "overflowed (skipped) step would leave inf in the compressor's residual; valid: "
-                "--precision bf16 (no loss scaling), or a stateless compressor (none, fp16, bf16)"
+                f"precision='fp16' with compression={self.compression!r} for a pipeline's "
+                "replicas is not supported: an overflowed (skipped) step would leave inf in "
+                "the compressor's residual; valid: --precision bf16 (no loss scaling), or a "
+                "stateless compressor (none, fp16, bf16); data parallelism supports it"
             )
 
     def _check_validation(self) -> None:

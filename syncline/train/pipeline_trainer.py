@@ -27,6 +27,7 @@ from torch import nn
 from syncline import comm
 from syncline.data import ShardedBatches
 from syncline.dp.compressors import build_compressor
+from syncline.dp.precision import LossScaler, scaler_summary
 from syncline.errors import ConfigError
 from syncline.models import model_loss
 from syncline.partition import balance as balance_costs
@@ -106,6 +107,7 @@ def build_pipeline(
         track_memory=True,  # the run summary reports each stage's measured memory
         init=layer_init_for(cfg),
         seed=cfg.seed,
+        precision=cfg.precision,
     )
 
 
@@ -217,7 +219,7 @@ def train_pipeline(
     if gathered is None or log is None or progress is None:
         return {}
     progress.close()
-    return _finish(cfg, model, gathered, log, world)
+    return _finish(cfg, model, gathered, log, world, pipe.loss_scaler)
 
 
 class _WireMeter:
@@ -364,6 +366,7 @@ def _finish(
     gathered: list[dict[str, Any]],
     log: MetricsLog,
     world: int,
+    scaler: LossScaler | None,
 ) -> dict[str, Any]:
     run_dir = Path(cfg.run_dir)
     optimizers = {s: o for r in gathered for s, o in r["optimizers"].items()}
@@ -408,6 +411,8 @@ def _finish(
         data=cfg.dataset,
         optimizer=cfg.optimizer,
         peak_lr=cfg.peak_lr,
+        precision=cfg.precision,
+        **scaler_summary(scaler),
         world_size=world,
         parameters=sum(p.numel() for p in model.parameters()),
         schedule=cfg.schedule,

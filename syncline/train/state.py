@@ -22,9 +22,9 @@ from torch import nn
 
 from syncline.comm.sharded import pack_object, read_index, unpack_object
 from syncline.dp.engine import DataParallel
+from syncline.dp.precision import LossScaler
 from syncline.errors import CheckpointError
 from syncline.pipeline.runtime import Pipeline
-from syncline.train.precision import LossScaler
 from syncline.train.snapshots import Snapshot, SnapshotStore
 
 __all__ = [
@@ -233,6 +233,8 @@ def capture_pipeline(
     compression = pipe.compression.state_dict() if pipe.data_parallel_size > 1 else {}
     out.update(_local_entries(rank, compression))
     meta = {"step": step, "world_size": world, "kind": "pipeline", "schedule": schedule}
+    if pipe.loss_scaler is not None:  # fp16: the same scale on every rank
+        meta["loss_scale"] = pipe.loss_scaler.state_dict()
     out["run/meta"] = pack_object({**meta, "balance": pipe.balance})
     return out
 
@@ -274,4 +276,6 @@ def restore_pipeline(
         local = _local_state(got, rank)
         if pipe.data_parallel_size > 1:
             pipe.compression.load_state_dict(local["compression"])
+    if pipe.loss_scaler is not None and "loss_scale" in meta:
+        pipe.loss_scaler.load_state_dict(meta["loss_scale"])
     return step

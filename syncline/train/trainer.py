@@ -22,6 +22,7 @@ from syncline.comm.collectives import Collective
 from syncline.data import ShardedBatches
 from syncline.dp.compressors import build_compressor
 from syncline.dp.engine import DataParallel
+from syncline.dp.precision import LossScaler, autocast, scaler_summary
 from syncline.models import model_loss
 from syncline.train.checkpoint import save_checkpoint
 from syncline.train.common import (
@@ -35,7 +36,6 @@ from syncline.train.common import (
 )
 from syncline.train.config import TrainConfig
 from syncline.train.metrics import MetricsLog, plot_loss, summarize, timed_record
-from syncline.train.precision import LossScaler, autocast
 from syncline.train.progress import Progress, human_bytes
 from syncline.train.snapshots import SnapshotStore
 from syncline.train.state import capture_dp, restore_dp
@@ -74,6 +74,7 @@ def train(
     params = [p for p in dp.parameters() if p.requires_grad]
     opt = make_optimizer(cfg, params, compressor)
     scaler = LossScaler(timeout_s=cfg.timeout_s) if cfg.precision == "fp16" else None
+    in_reduce = scaler is not None and not compressor.stateless
     run_dir = Path(cfg.run_dir)
     store = SnapshotStore(
         run_dir / "checkpoints", keep=cfg.keep_checkpoints, timeout_s=cfg.timeout_s, device=device
@@ -98,10 +99,14 @@ def train(
         x, y = batches.batch(step)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         opt.zero_grad(set_to_none=True)
+        if in_reduce and scaler is not None:  # the residual sees true-scale, finite values
+            dp.unscale_in_reduce(scaler.value)
         with autocast(cfg.precision, device):
             loss = loss_fn(dp(x), y)
         (loss if scaler is None else scaler.scale(loss)).backward()
-        if scaler is None or scaler.unscale_or_skip(params, step):
+        if scaler is None or scaler.unscale_or_skip(
+            params, step, unscaled=in_reduce, overflowed=in_reduce and dp.overflowed_in_reduce()
+        ):
             opt.step()
         for handle in armed:
             handle.remove()
@@ -163,7 +168,7 @@ def train(
     if log is None or progress is None:
         return {}
     progress.close()
-    return _finish(cfg, model, opt, dp, log, world, peaks or [rss])
+    return _finish(cfg, model, opt, dp, log, world, peaks or [rss], scaler)
 
 
 def _finish(
@@ -174,6 +179,7 @@ def _finish(
     log: MetricsLog,
     world: int,
     peaks: list[int],
+    scaler: LossScaler | None = None,
 ) -> dict[str, Any]:
     run_dir = Path(cfg.run_dir)
     summary = summarize(log.records)
@@ -183,6 +189,7 @@ def _finish(
         optimizer=cfg.optimizer,
         peak_lr=cfg.peak_lr,
         precision=cfg.precision,
+        **scaler_summary(scaler),
         world_size=world,
         parameters=sum(p.numel() for p in model.parameters()),
         gradient_bytes=dp.bucket_plan.total_numel * 4,

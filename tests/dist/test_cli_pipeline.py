@@ -17,6 +17,8 @@ import torch
 from syncline.train.checkpoint import load_checkpoint
 from syncline.train.common import build_model_for
 from syncline.train.config import TrainConfig
+from syncline.train.snapshots import SnapshotStore
+from syncline.train.state import read_meta
 from tests.zoo.cli import syncline
 from tests.zoo.ids import flags_id
 
@@ -119,6 +121,35 @@ def test_two_replicas_of_a_2bw_pipeline_with_fp16_gradient_compression(tmp_path)
     assert sorted(kinds) == [0, 1, 2, 3]
     assert all("REDUCE" in kinds[rank] for rank in range(4))
     _check_checkpoint(run)
+
+
+def test_bf16_pipeline_trains(tmp_path) -> None:
+    run = tmp_path / "bf16"
+    summary = _train(run, "--precision", "bf16", "--steps", "6")
+    assert summary["precision"] == "bf16" and "loss_scale" not in summary
+    _check_checkpoint(run)
+
+
+def test_fp16_2bw_pipeline_checkpoints_its_loss_scale_and_resumes(tmp_path) -> None:
+    """fp16 under 2BW: the scale goes into the checkpoint's metadata, and a resumed run
+    continues from it (no overflow on this tiny model: the scale stays at its start)."""
+    run = tmp_path / "fp16"
+    args = ("--precision", "fp16", "--schedule", "2bw", "--checkpoint-every", "3")
+    summary = _train(run, *args, "--steps", "6")
+    assert summary["precision"] == "fp16" and summary["skipped_steps"] == 0
+    assert summary["loss_scale"] == 2.0**16
+    store = SnapshotStore(run / "checkpoints", keep=2, timeout_s=30)
+    snap = store.latest()
+    assert snap is not None
+    assert read_meta(store, snap)["loss_scale"]["scale"] == 2.0**16
+    res = syncline(
+        "train", "--pipeline-stages", "2", *TINY, "--run-dir", str(run), *args,
+        "--steps", "8", "--resume", str(run),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from" in res.stdout and "(step 3)" in res.stdout
+    resumed = json.loads((run / "summary.json").read_text())
+    assert resumed["loss_scale"] == 2.0**16 and resumed["steps"] == 8
 
 
 # (flags, what the one-line error on stderr contains)

@@ -40,8 +40,15 @@ TRAIN_ERRORS = [
     ({"compression": "csc:0.01"}, "applies momentum itself"),
     ({"compression": "csc:0.01", "optimizer": "lamb"}, "momentum twice"),
     ({"precision": "fp8"}, "precision='fp8' is unknown; valid: fp32, bf16, fp16"),
-    ({"precision": "bf16", "pipeline_stages": 2}, "with pipeline_stages=2 is not supported yet"),
-    ({"precision": "fp16", "compression": "powersgd:2"}, "would leave inf in the compressor"),
+    (
+        {
+            "precision": "fp16",
+            "compression": "powersgd:2",
+            "pipeline_stages": 2,
+            "nproc_per_node": 4,
+        },
+        "would leave inf in the compressor",
+    ),
 ]
 
 
@@ -166,3 +173,9 @@ def test_each_optimizer_is_built_with_the_scaled_rate(name) -> None:
     opt = make_optimizer(cfg, list(nn.Linear(2, 2).parameters()))
     kinds = {"lars": Lars, "lamb": Lamb, "sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
     assert type(opt) is kinds[name] and opt.param_groups[0]["lr"] == pytest.approx(0.04)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_is_accepted_with_pipelines(precision: str) -> None:
+    cfg = TrainConfig(precision=precision, pipeline_stages=2, nproc_per_node=2)
+    assert cfg.precision == precision and cfg.pipeline_stages == 2

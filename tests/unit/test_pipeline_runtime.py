@@ -245,10 +245,10 @@ def test_weight_versions_refuse_to_overwrite_a_version_in_use() -> None:
     w = versions.acquire(0)
     torch.func.functional_call(module, w, (x,)).sum().backward()
     versions.release(0)
-    versions.step(0, 1, opt, lambda: None)  # first step of a run: a new buffer
+    versions.step(0, 1, opt, lambda: True)  # first step of a run: a new buffer
     assert versions.held == [0, 1]
     w0 = versions.acquire(0)  # a micro-batch of the next batch still runs on v0
     assert module[0].weight.data_ptr() == versions.tensors(1)["0.weight"].data_ptr()
     with pytest.raises(RuntimeError, match="v0 still has 1 micro-batch"):
-        versions.step(0, 2, opt, lambda: None)
+        versions.step(0, 2, opt, lambda: True)
     assert w0["0.weight"].data_ptr() != module[0].weight.data_ptr()
