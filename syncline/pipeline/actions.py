@@ -105,15 +105,18 @@ class ActionHandlers:
 
     def _step(self, a: Action) -> None:
         assert a.batch is not None
-        stage, batch = self._stages[a.stage], a.batch
+        stage, batch, precision = self._stages[a.stage], a.batch, self._precision
+        if precision.scaler is None:  # nothing to unscale or agree on
+            stage.step(batch, a.version, before=lambda: True)
+            return
 
-        def before() -> bool:  # the stage's gradient is on its Parameters now
-            mine = [p.grad for p in stage.module.parameters() if p.grad is not None]
-            every = [  # this rank's other stages (interleaved) finished the batch too
-                p.grad for s in self._stages.values() for p in s.module.parameters()
-                if p.grad is not None
-            ]  # fmt: skip
-            return self._precision.before_step(batch, mine, every)
+        def grads(stages: list[Stage]) -> list[torch.Tensor]:
+            return [p.grad for s in stages for p in s.module.parameters() if p.grad is not None]
+
+        def before() -> bool:  # the stage's gradient is on its Parameters now; the first
+            # STEP of a batch checks this rank's other stages (interleaved) too
+            every = list(self._stages.values())
+            return precision.before_step(batch, grads([stage]), lambda: grads(every))
 
         stage.step(batch, a.version, before=before)
 

@@ -27,8 +27,8 @@ fp16 scales the loss, so it needs three things to hold on every rank:
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -72,13 +72,11 @@ class PipelinePrecision:
         self.scaler = (
             LossScaler(timeout_s=timeout_s, groups=groups) if precision == "fp16" else None
         )
-        self._scale_of: dict[int, float] = {}  # batch -> the scale its gradients carry
+        self._verdict: tuple[int, float] | None = None  # last batch judged, its scale (0: skip)
         self._next_verdict: int | None = None  # the batch whose verdict comes next
 
-    @contextlib.contextmanager
-    def autocast(self) -> Iterator[None]:
-        with autocast(self.precision, self._device):
-            yield
+    def autocast(self) -> AbstractContextManager[None]:
+        return autocast(self.precision, self._device)
 
     def loss_scale(self, batch: int) -> float:
         """The factor the last stage multiplies batch ``batch``'s losses by (1: no scaling)."""
@@ -95,25 +93,23 @@ class PipelinePrecision:
         return self.scaler.value
 
     def before_step(
-        self, batch: int, grads: Iterable[torch.Tensor], local: Iterable[torch.Tensor]
+        self, batch: int, grads: list[torch.Tensor], local: Callable[[], list[torch.Tensor]]
     ) -> bool:
         """At a STEP of ``batch`` on this rank, its stage's gradients ``grads`` in hand:
         unscale them and return ``True``, or return ``False`` (skip) on an overflow. The
-        first STEP of a batch takes the verdict over ``local`` (every stage's gradients on
+        first STEP of a batch takes the verdict over ``local()`` (every stage's gradients on
         this rank) with every other rank."""
         if self.scaler is None:
             return True
-        if batch not in self._scale_of:
+        if self._verdict is None or self._verdict[0] != batch:
             if self._next_verdict is not None and batch != self._next_verdict:
                 raise RuntimeError(
                     f"precision='fp16': verdict of batch {batch} taken out of order (next "
                     f"expected: {self._next_verdict})"
                 )
             value = self.scaler.value
-            found = self.scaler.overflowed(
-                list(local), f"loss-scale overflow verdict of step {batch}"
-            )
-            self._scale_of = {batch: value if not found else 0.0}
+            found = self.scaler.overflowed(local(), f"loss-scale overflow verdict of step {batch}")
+            self._verdict = (batch, 0.0 if found else value)
             self.scaler.update(found)
             self._next_verdict = batch + 1
         elif any(not bool(torch.isfinite(g).all()) for g in grads):
@@ -121,7 +117,7 @@ class PipelinePrecision:
                 f"precision='fp16': a stage's gradient of batch {batch} is not finite, but "
                 "the batch's verdict (taken at this rank's first STEP) found none"
             )
-        scale = self._scale_of[batch]
+        scale = self._verdict[1]
         if scale == 0.0:
             return False
         self.scaler.unscale_(grads, scale)
