@@ -96,9 +96,9 @@ class TrainConfig:
     precision: str = option("fp32", group=_OPT, choices=lambda: PRECISIONS)
     """``fp32``; ``bf16`` or ``fp16``: the forward and the loss under autocast, weights,
     gradients and optimizer state in fp32; fp16 scales the loss dynamically, every rank
-    agreeing on each overflow (all skip that step), the scale checkpointed. Data parallelism
-    only for now; fp16 not with an error-feedback compressor (an overflowed step would enter
-    its residual)."""
+    agreeing on each overflow (all skip that step; a pipeline's stages and replicas alike),
+    the scale checkpointed. Under data parallelism an error-feedback compressor gets the
+    gradients unscaled, infs zeroed; a pipeline's REDUCE refuses one with fp16."""
     momentum: float = option(0.9, group=_OPT)
     """SGD and LARS momentum, in [0, 1); moves into the compressor when it applies momentum
     itself."""
