@@ -14,22 +14,28 @@ where a flat ring sends ``2(p-1)/p * n``), phase 3 ``(k-1)*s``.
 
 On gloo (torch 2.13) ``reduce_scatter_single`` exists but is implemented inside the backend as
 an allreduce of the whole tensor followed by taking the local chunk, so phase 1 costs
-``2(k-1)*s`` intra-node bytes there instead of ``(k-1)*s``. The alternatives built from other
+``2(k-1)*s`` intra-node bytes there instead of ``(k-1)*s``; and its work reports completion
+only once waited on, which would keep :meth:`HierarchicalAllreduce.poll` from ever starting
+phase 2. So on gloo phase 1 *is* that allreduce, issued directly (same bytes), and the
+rank's shard is its slice of the result. The alternatives built from other
 gloo primitives are no better: ``k`` rooted reduces (one per shard owner) also move about
 ``2(k-1)*s`` per rank and pay ``k`` times the latency; an intra-node allreduce followed by a
 full-size inter-node allreduce would send ``k`` times more across nodes. Inter-node traffic,
 the expensive part, is ``2(N-1)/N * s`` per rank in every case. NCCL runs a real reduce-scatter.
 
-Ordering (how the phases become one :class:`~syncline.comm.collectives.Pending`):
-``allreduce()`` starts phase 1 asynchronously and queues the job. The first ``wait()`` on any
-queued job drains the whole queue in lock step, in launch order: wait every phase 1 and start
-its phase 2, then wait every phase 2 and start its phase 3, then finish every phase 3. All
-collectives are issued from the caller's thread, in an order fixed by the sequence of
-``allreduce``/``wait`` calls, which every rank makes identically (as for any collective); no
-callback thread issues anything. Buckets launched together during backward thus overlap their
-inter-node allreduces with each other and with the intra-node allgathers, while only phase 1
-overlaps with the backward computation itself (a worker thread could overlap phases 2-3 too,
-but only with one process group per phase, so that each group is driven by a single thread).
+Ordering (how the phases become one :class:`~syncline.comm.collectives.Pending`): each phase
+has a process group of its own (phase 1 and phase 3 both span the node, through two groups),
+so that each group sees its collectives in launch order on every rank however the phases of
+different jobs interleave. ``allreduce()`` starts phase 1 asynchronously and queues the job.
+:meth:`HierarchicalAllreduce.poll`, which never blocks, starts phase 2 of the queued jobs
+whose phase 1 is complete and phase 3 of those whose phase 2 is, each in launch order (a job
+waits for the one before it); the data-parallel reducer calls it from every gradient hook,
+and ``allreduce()`` calls it too, so phases 2 and 3 run while backward still computes. The
+first ``wait()`` on a queued job finishes the whole queue, blocking, in the same order. All
+collectives are issued from the caller's thread; no callback thread issues anything. A
+rank's polls see completions at other moments than its peers', but that changes only *when*
+it issues each group's next collective, never their order within the group, which is all a
+process group needs.
 """
 
 from __future__ import annotations
@@ -57,7 +63,8 @@ class _Job:
     shard: torch.Tensor  # s elements: phase-1 output, phase-2 in place, phase-3 input
     what: str
     in_place: bool  # full is a view of tensor: nothing to copy back
-    works: list[dist.Work] = field(default_factory=list)
+    works: list[dist.Work] = field(default_factory=list)  # the running phase's
+    phase: int = 1  # the phase running (or last run, once done)
     done: bool = False
     error: CommError | None = None
 
@@ -92,8 +99,11 @@ class HierarchicalAllreduce:
         self._flat: FlatAllreduce | None = None
         self._intra: Group = None
         self._inter: Group = None
+        self._gather: Group = None  # phase 3's own intra-node group (see the docstring)
         self._scatter_as_allreduce = False
         self._queue: list[_Job] = []
+        #: jobs whose phase 2 (phase 3) was started by :meth:`poll`, before any wait
+        self.early_starts = {2: 0, 3: 0}
         #: inter-node bytes this rank sends in the last allreduce started (ring model)
         self.last_inter_node_bytes = 0
         #: intra-node bytes this rank sends in the last allreduce started (ring model)
@@ -144,6 +154,7 @@ class HierarchicalAllreduce:
             rank = dist.get_rank()
             self._intra = self._new_groups(topo.intra_groups(), rank)
             self._inter = self._new_groups(topo.inter_groups(), rank)
+            self._gather = self._new_groups(topo.intra_groups(), rank)
             self._scatter_as_allreduce = backend_name(self._intra) == "gloo"
         self._flat = FlatAllreduce(None, timeout_s=self._timeout_s)
         return self
@@ -172,6 +183,7 @@ class HierarchicalAllreduce:
         """Sum ``tensor`` over all ranks, in place; the result is there after ``wait()``."""
         flat = self._require_built()
         nbytes = tensor.numel() * tensor.element_size()
+        self.poll()
         if self.is_flat or tensor.numel() == 0:
             return self._flat_allreduce(flat, tensor, what, nbytes)
         k = self._topology.ranks_per_node
@@ -182,11 +194,19 @@ class HierarchicalAllreduce:
         else:
             full = tensor.new_zeros(s * k)
             full[: tensor.numel()].copy_(tensor.reshape(-1))
-        job = _Job(tensor, full, tensor.new_empty(s), what, in_place)
-        self._start(
-            job,
-            lambda: dist.reduce_scatter_single(job.shard, full, group=self._intra, async_op=True),
-        )
+        if self._scatter_as_allreduce:  # gloo: see the module docstring
+            assert self._intra is not None  # built, not flat
+            local = dist.get_group_rank(self._intra, dist.get_rank())
+            job = _Job(tensor, full, full[local * s : (local + 1) * s], what, in_place)
+            self._start(job, lambda: dist.all_reduce(full, group=self._intra, async_op=True))
+        else:
+            job = _Job(tensor, full, tensor.new_empty(s), what, in_place)
+            self._start(
+                job,
+                lambda: dist.reduce_scatter_single(
+                    job.shard, full, group=self._intra, async_op=True
+                ),
+            )
         self._queue.append(job)
 
         sent = hierarchical_allreduce_bytes(
@@ -233,10 +253,47 @@ class HierarchicalAllreduce:
         return lambda: dist.all_reduce(job.shard, group=self._inter, async_op=True)
 
     def _launch_gather(self, job: _Job) -> Callable[[], dist.Work | None]:
-        return lambda: dist.all_gather_single(job.full, job.shard, group=self._intra, async_op=True)
+        # on gloo the shard is a slice of ``full``, the allgather's output: send a copy
+        shard = job.shard.clone() if self._scatter_as_allreduce else job.shard
+        return lambda: dist.all_gather_single(job.full, shard, group=self._gather, async_op=True)
 
-    def _wait(self, job: _Job, phase: str) -> None:
+    def _wait(self, job: _Job) -> None:
+        phase = _PHASES[job.phase]
         Pending(job.works, f"{job.what} ({phase})", self._timeout_s, self.rank).wait()
+
+    def _advance(self, job: _Job) -> None:
+        """Phase ``job.phase`` is complete: start the next one, or finish the job."""
+        self._wait(job)  # returns at once; raises if the phase failed
+        if job.phase == 1:
+            self._start(job, self._launch_inter(job))
+        elif job.phase == 2:
+            self._start(job, self._launch_gather(job))
+        else:
+            if not job.in_place:
+                with torch.no_grad():
+                    n = job.tensor.numel()
+                    job.tensor.copy_(job.full[:n].view(job.tensor.shape))
+            job.done = True
+            return
+        job.phase += 1
+
+    def poll(self) -> None:
+        """Start every queued job's next phase whose current phase is complete, in launch
+        order per phase, without blocking (cheap when nothing is queued)."""
+        if not self._queue:
+            return
+        try:
+            for phase in (2, 1):  # phase-2 jobs first, so a job moves one phase per poll
+                for job in self._queue:
+                    if job.phase > phase:
+                        continue
+                    if job.phase < phase or not job.works[0].is_completed():
+                        break  # later jobs of this phase wait for this one
+                    self._advance(job)
+                    self.early_starts[phase + 1] += 1
+        except CommError as exc:
+            self._fail(exc)
+            raise
 
     def _finish(self, job: _Job) -> None:
         if not job.done and job.error is None:
@@ -245,28 +302,25 @@ class HierarchicalAllreduce:
             raise job.error
 
     def _drain(self) -> None:
-        """Run phases 2 and 3 of every queued job, in lock step and launch order."""
-        jobs, self._queue = self._queue, []
+        """Finish every queued job, blocking: each phase in launch order, jobs in lock step."""
         try:
-            for job in jobs:
-                self._wait(job, "intra-node reduce-scatter")
-                self._start(job, self._launch_inter(job))
-            for job in jobs:
-                self._wait(job, "inter-node allreduce")
-                self._start(job, self._launch_gather(job))
-            for job in jobs:
-                self._wait(job, "intra-node allgather")
-                if not job.in_place:
-                    with torch.no_grad():
-                        n = job.tensor.numel()
-                        job.tensor.copy_(job.full[:n].view(job.tensor.shape))
-                job.done = True
+            for phase in (1, 2, 3):
+                for job in self._queue:
+                    if job.phase == phase:
+                        self._advance(job)
         except CommError as exc:
-            for job in jobs:
-                if not job.done:
-                    job.error = exc
+            self._fail(exc)
             raise
+        self._queue = []
 
+    def _fail(self, exc: CommError) -> None:
+        for job in self._queue:
+            if not job.done:
+                job.error = exc
+        self._queue = []
+
+
+_PHASES = {1: "intra-node reduce-scatter", 2: "inter-node allreduce", 3: "intra-node allgather"}
 
 __all__ = ["HierarchicalAllreduce"]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,6 +126,9 @@ class Reducer:
         self.compressor = compressor
         self.dense = NoCompression()
         self.collective = collective
+        # a collective whose work runs in phases (hierarchical) advances them when polled;
+        # every gradient hook polls, so its later phases overlap the rest of backward
+        self._poll: Callable[[], None] | None = getattr(collective, "poll", None)
         self.group = group
         self.tuning = tuning
         self.sparse_names = [n for n, _ in sparse]
@@ -216,6 +220,8 @@ class Reducer:
         st.any_ready = True
         if st.steps_synced == 0 and self.config.rebuild_buckets:
             st.order_seen.append(i)  # only the first step's order is ever used
+        if self._poll is not None:
+            self._poll()
         b = self.buf.plan.bucket_of[i]
         st.remaining[b] -= 1
         if st.remaining[b] == 0:  # buckets launch in order: only a full one can start any

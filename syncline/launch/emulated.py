@@ -61,8 +61,10 @@ def run_on_hosts(
     labels: Sequence[str] | None = None,
     timeout_s: float | None = None,
     poll_s: float = 0.2,
+    hosts: Sequence[int] | None = None,
 ) -> None:
-    """Run ``commands[i]`` on host ``i`` of the started ``net``, all at once; wait for all.
+    """Run ``commands[i]`` on host ``i`` (or ``hosts[i]``) of the started ``net``, all at once;
+    wait for all.
 
     Every process gets this process's environment plus ``GLOO_SOCKET_IFNAME`` (the emulated
     NIC: inside a namespace gloo must be told it, the hostname resolves outside) and
@@ -79,17 +81,25 @@ def run_on_hosts(
         labels: per host, how messages name it; default ``"emulated host <i>"``.
         timeout_s: limit for the whole run; ``None`` waits as long as it takes.
         poll_s: seconds between two looks at the processes.
+        hosts: the host of each command, when several share one (the ranks of one node:
+            they reach each other inside the namespace, over its loopback, and the other
+            hosts through its one rate-limited link); default: command ``i`` on host ``i``.
 
     Raises:
-        HostFailure: naming the host whose process failed first (several failing between two
-            looks: the lowest index), or the first one still running at the deadline.
+        HostFailure: naming the command (by its label) whose process failed first (several
+            failing between two looks: the lowest index), or the first one still running at
+            the deadline.
 
     Example:
         >>> with EmulatedNetwork(2, "100mbit") as net:  # doctest: +SKIP
         ...     run_on_hosts(net, [["ping", "-c1", net.hosts[1][1]], ["true"]])
     """
-    if len(commands) > net.num_hosts:
-        raise LaunchError(f"{len(commands)} commands for {net.num_hosts} emulated hosts")
+    where = list(hosts) if hosts is not None else list(range(len(commands)))
+    if len(where) != len(commands) or not all(0 <= h < net.num_hosts for h in where):
+        raise LaunchError(
+            f"hosts={where} for {len(commands)} commands: one host index in "
+            f"[0, {net.num_hosts}) per command"
+        )
     names = list(labels) if labels is not None else []
     names += [f"emulated host {i}" for i in range(len(names), len(commands))]
     full_env = {
@@ -108,7 +118,7 @@ def run_on_hosts(
                 files.append(out)
             procs.append(
                 subprocess.Popen(
-                    net.exec_argv(host, list(argv)),
+                    net.exec_argv(where[host], list(argv)),
                     env=full_env,
                     cwd=cwd,
                     stdout=out,

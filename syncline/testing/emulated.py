@@ -41,8 +41,10 @@ def run_ranks_emulated(
     threads: int = 1,
     backend: str = "gloo",
     comm_timeout_s: float = 60.0,
+    ranks_per_host: int = 1,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` with rank ``i`` on host ``i`` of the started ``net``.
+    """Run ``fn(rank, world_size, *args)`` with rank ``i`` on host ``i // ranks_per_host`` of
+    the started ``net`` (consecutive ranks share a host, as torchrun numbers a node's ranks).
 
     Args:
         net: a started network; its ``num_hosts`` is the world size.
@@ -54,6 +56,8 @@ def run_ranks_emulated(
         threads: ``torch.set_num_threads`` and ``OMP_NUM_THREADS`` of each rank.
         backend: process-group backend.
         comm_timeout_s: the process group's own timeout for each collective.
+        ranks_per_host: ranks on each host (a node's ranks reach each other over the
+            namespace's loopback, the other nodes through its rate-limited link).
 
     Returns:
         Each rank's return value, in rank order.
@@ -73,7 +77,9 @@ def run_ranks_emulated(
             f"{getattr(fn, '__qualname__', fn)!r} is defined in __main__; the ranks import it "
             "by name, so move it into a module (e.g. run the script with python -m)"
         )
-    world = net.num_hosts
+    if not isinstance(ranks_per_host, int) or ranks_per_host < 1:
+        raise ConfigError(f"ranks_per_host={ranks_per_host!r}: valid: an int >= 1")
+    world = net.num_hosts * ranks_per_host
     workdir = tempfile.mkdtemp(prefix="syncline-hosts-")
     try:
         with open(os.path.join(workdir, _JOB), "wb") as f:
@@ -92,8 +98,9 @@ def run_ranks_emulated(
                 env={"PYTHONPATH": path},
                 logs=logs,
                 cwd=os.getcwd(),
-                labels=[f"rank {r} (emulated host {r})" for r in range(world)],
+                labels=[f"rank {r} (emulated host {r // ranks_per_host})" for r in range(world)],
                 timeout_s=timeout_s,
+                hosts=[r // ranks_per_host for r in range(world)],
             )
         except HostFailure as exc:
             raise _rank_failure(exc, workdir, logs) from None

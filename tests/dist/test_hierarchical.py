@@ -6,6 +6,8 @@ layout and returns what the tests below check.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -44,7 +46,7 @@ def _input(rank: int, index: int) -> torch.Tensor:
 
 def _collectives(hier: HierarchicalAllreduce, flat: FlatAllreduce) -> dict:
     n = len(CASES)
-    out: dict = {"one_by_one": [], "in_flight": [], "reversed_waits": [], "flat": []}
+    out: dict = {"one_by_one": [], "in_flight": [], "reversed_waits": [], "polled": [], "flat": []}
     for i in range(n):
         t = _input(hier.rank, i)
         hier.allreduce(t, f"case {i}").wait()
@@ -64,6 +66,21 @@ def _collectives(hier: HierarchicalAllreduce, flat: FlatAllreduce) -> dict:
     for p in reversed(pendings):
         p.wait()
     out["reversed_waits"] = tensors
+    # polled until every job's allgather runs, before any wait; ranks poll at different
+    # moments (a rank-dependent pause), which must change only when, not in what order,
+    # each group's collectives are issued
+    tensors = [_input(hier.rank, i) for i in range(n)]
+    before = dict(hier.early_starts)
+    pendings = [hier.allreduce(t, f"polled case {i}") for i, t in enumerate(tensors)]
+    deadline = time.monotonic() + 30
+    while hier.early_starts[3] - before[3] < n * (not hier.is_flat):
+        assert time.monotonic() < deadline, "poll() never advanced the phases"
+        time.sleep(0.001 * (1 + hier.rank))
+        hier.poll()
+    out["early"] = {k: v - before[k] for k, v in hier.early_starts.items()}
+    for p in pendings:
+        p.wait()
+    out["polled"] = tensors
     # bytes of one 1000-element float32 tensor (4000 bytes)
     pending = hier.allreduce(torch.ones(1000), "bytes probe")
     pending.wait()
@@ -116,7 +133,7 @@ def _expected(index: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("mode", ["one_by_one", "in_flight", "reversed_waits"])
+@pytest.mark.parametrize("mode", ["one_by_one", "in_flight", "reversed_waits", "polled"])
 def test_identical_to_flat_allreduce(results, layout: str, mode: str) -> None:
     for rank, per_rank in enumerate(results):
         got = per_rank["collectives"][layout]
@@ -167,3 +184,12 @@ def test_collective_needs_build_first() -> None:
         hier.allreduce(torch.zeros(3), "early")
     with pytest.raises(ConfigError, match="timeout_s=0"):
         HierarchicalAllreduce(Topology(4, 2), timeout_s=0)
+
+
+def test_poll_starts_later_phases_before_any_wait(results) -> None:
+    """Phases 2 and 3 of every job started from poll() alone (2x2: the one layout with all
+    three phases), so they can overlap backward; the sums are checked above."""
+    n = len(CASES)
+    for per_rank in results:
+        assert per_rank["collectives"]["2x2"]["early"] == {2: n, 3: n}
+        assert per_rank["collectives"]["1x4"]["early"] == {2: 0, 3: 0}  # flat: no phases

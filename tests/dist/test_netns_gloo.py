@@ -103,3 +103,28 @@ def test_run_ranks_emulated_puts_each_rank_on_its_host_and_names_a_failure() -> 
         with pytest.raises(RankFailure, match="rank 1") as info:
             run_ranks_emulated(net, _failing_rank, timeout_s=90)
         assert "rank one gives up" in str(info.value)
+
+
+def _where(rank: int, world: int) -> tuple[str, float]:
+    import torch.distributed as dist
+
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return os.readlink("/proc/self/ns/net"), float(t)
+
+
+def test_run_ranks_emulated_puts_a_nodes_ranks_in_one_namespace() -> None:
+    """``ranks_per_host``: consecutive ranks share their node's namespace (2 nodes x 2 ranks),
+    and all four still form one group across the link."""
+    try:
+        check_prerequisites()
+    except NetworkEmulationError as exc:
+        pytest.skip(str(exc))
+    from syncline.testing.emulated import run_ranks_emulated
+
+    with EmulatedNetwork(2, "200mbit") as net:
+        got = run_ranks_emulated(net, _where, timeout_s=90, ranks_per_host=2)
+    spaces = [ns for ns, _ in got]
+    assert spaces[0] == spaces[1] != spaces[2] == spaces[3]
+    assert spaces[0] != os.readlink("/proc/self/ns/net")
+    assert [total for _, total in got] == [6.0] * 4
