@@ -23,6 +23,20 @@ from syncline.schedule import Action, ActionKind
 K = ActionKind
 
 
+def final_backwards(actions: list[Action]) -> set[Action]:
+    """The BACKWARD actions after which a REDUCE of the same stage and batch follows with no
+    other BACKWARD of them between: each is that batch's last backward of that stage, so the
+    REDUCE can start its buckets inside it (:mod:`syncline.pipeline.reduce_buckets`)."""
+    last: dict[tuple[int, int | None], Action] = {}
+    final = set()
+    for a in actions:
+        if a.kind is K.BACKWARD:
+            last[(a.stage, a.batch)] = a
+        elif a.kind is K.REDUCE and (a.stage, a.batch) in last:
+            final.add(last.pop((a.stage, a.batch)))
+    return final
+
+
 class ActionHandlers:
     """The handlers :class:`~syncline.pipeline.runtime.Pipeline` dispatches to."""
 
@@ -38,6 +52,7 @@ class ActionHandlers:
     _precision: PipelinePrecision
     _d: int
     _last_rank: int
+    _final: set[Action]
 
     def _signature(self, a: Action) -> tuple[tuple[int, ...], torch.dtype]:
         """Shape and dtype of the micro-batch input behind ``a`` (known on every rank)."""
@@ -87,7 +102,15 @@ class ActionHandlers:
         assert a.batch is not None and a.microbatch is not None
         stage = self._stages[a.stage]
         grad = None if stage.last else self._inbox.pop((K.RECV_B, a.stage, a.batch, a.microbatch))
-        grad_in = stage.backward((a.batch, a.microbatch), grad)
+        if a in self._final:  # the batch's last backward here: its REDUCE starts inside
+            assert self._replicas is not None
+            self._replicas.arm(a.stage, a.batch, stage.grad_holders(a.batch))
+            try:
+                grad_in = stage.backward((a.batch, a.microbatch), grad)
+            finally:  # the hooks are for this one backward, failed or not
+                self._replicas.disarm()
+        else:
+            grad_in = stage.backward((a.batch, a.microbatch), grad)
         if grad_in is not None:
             self._inbox[(K.BACKWARD, a.stage, a.batch, a.microbatch)] = grad_in
 

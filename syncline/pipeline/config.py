@@ -46,6 +46,8 @@ class PipelineConfig:
     precision: str = "fp32"
     """``fp32``, or ``bf16`` / ``fp16`` autocast (fp16 with loss scaling every rank agrees
     on; :mod:`syncline.pipeline.precision`)."""
+    reduce_bucket_mb: float = 4.0
+    """With replicas: the REDUCE's bucket size in MiB, ``0`` for one bucket per stage."""
 
     def __post_init__(self) -> None:
         d = _check_int("num_stages", self.num_stages)
@@ -59,6 +61,11 @@ class PipelineConfig:
         if self.precision not in PRECISIONS:
             raise ConfigError(
                 f"precision={self.precision!r} is invalid; valid: {', '.join(PRECISIONS)}"
+            )
+        bucket = self.reduce_bucket_mb
+        if isinstance(bucket, bool) or not isinstance(bucket, int | float) or not bucket >= 0:
+            raise ConfigError(
+                f"reduce_bucket_mb={bucket!r} is invalid; valid: MiB >= 0 (0: one per stage)"
             )
         try:
             check_positive("timeout_s", self.timeout_s)

@@ -9,13 +9,15 @@ so the allreduces of different stages run at the same time, each overlapping the
 stages' compute.
 
 How one REDUCE runs: the stage's accumulated gradients (under 2BW those of the weight version
-the batch ran on, :meth:`~syncline.pipeline.stage.Stage.grad_holders`) are copied into one flat
-buffer per stage, so one collective carries them instead of one per tensor (the lazy-allreduce
-argument of GradientFlow, Sun et al. 2019); the buffer goes through the
+the batch ran on, :meth:`~syncline.pipeline.stage.Stage.grad_holders`) are copied into a few
+flat buckets, so few collectives carry them instead of one per tensor (the lazy-allreduce
+argument of GradientFlow, Sun et al. 2019), and each bucket starts as soon as the stage's
+last backward of the batch has made its gradients final, overlapping the rest of that
+backward (:mod:`syncline.pipeline.reduce_buckets`). Each bucket goes through the
 :class:`~syncline.dp.compression.Compressor` (lossless, fp16, CSC, ...) on a
-:class:`~syncline.comm.FlatAllreduce`, and each gradient becomes a view of the averaged buffer
-(no copy back). The buffer is the compressor's bucket ``stage``, so stateful compressors (CSC
-residuals, PowerSGD factors) keep one state per stage.
+:class:`~syncline.comm.FlatAllreduce`, and each gradient becomes a view of its averaged
+bucket (no copy back). Stateful compressors (CSC residuals, PowerSGD factors) keep one state
+per bucket.
 """
 
 from __future__ import annotations
@@ -26,8 +28,13 @@ import torch
 from torch import nn
 
 from syncline import comm
-from syncline.dp.compression import BucketRef, Compressor, NoCompression
+from syncline.dp.compression import Compressor, NoCompression
 from syncline.errors import CommError, ConfigError
+from syncline.pipeline.reduce_buckets import BucketedReduce
+
+#: a REDUCE bucket's size when none is given: big enough that a collective's fixed cost is
+#: small against its transfer, small enough that several start during the last backward
+DEFAULT_BUCKET_CAP_MB = 4.0
 
 SIGNATURE = (
     "pipeline rank",
@@ -82,19 +89,31 @@ class StageReplicas:
 
     Args:
         group: the data-parallel group (size > 1).
-        compression: reduces each stage's flat gradient.
+        compression: reduces each bucket of a stage's gradient.
         timeout_s: the longest any wait on a replica may take.
+        num_stages: the pipeline's depth (numbers the compressor's buckets).
+        bucket_cap_mb: about how much of a stage's gradient one bucket holds (``0``: one
+            bucket per stage).
     """
 
-    def __init__(self, group: comm.Group, compression: Compressor, timeout_s: float) -> None:
+    def __init__(
+        self,
+        group: comm.Group,
+        compression: Compressor,
+        timeout_s: float,
+        *,
+        num_stages: int = 1,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    ) -> None:
         self.group = group
         self.compression = compression
         self.ranks = comm.group_ranks(group)
         self._me = comm.global_rank()
         self._timeout_s = timeout_s
         self._comm = comm.FlatAllreduce(group, timeout_s=timeout_s)
-        self._buffers: dict[int, torch.Tensor] = {}
-        self.wire_bytes = 0  # what this rank's REDUCEs handed to the network, in all
+        self._num_stages = num_stages
+        self._cap_bytes = int(bucket_cap_mb * 2**20)
+        self._reducers: dict[int, BucketedReduce] = {}
 
     @property
     def size(self) -> int:
@@ -158,47 +177,47 @@ class StageReplicas:
         tensors = [*module.parameters(), *module.buffers()]
         self._broadcast(tensors, f"broadcast of stage {stage}'s weights")
 
-    def _buffer(self, stage: int, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        numel = sum(t.numel() for t in tensors)
-        flat = self._buffers.get(stage)
-        if flat is None or flat.numel() != numel:
-            dtypes = sorted({str(t.dtype) for t in tensors})
-            if len(dtypes) > 1:
-                raise ConfigError(
-                    f"stage {stage} mixes parameter dtypes {dtypes}; data-parallel replicas "
-                    "reduce one flat buffer per stage: use one dtype per stage"
-                )
-            flat = torch.empty(numel, dtype=tensors[0].dtype, device=tensors[0].device)
-            self._buffers[stage] = flat
-        return flat
+    def _buckets(self, stage: int) -> BucketedReduce:
+        reducer = self._reducers.get(stage)
+        if reducer is None:
+            reducer = BucketedReduce(
+                stage, self._num_stages, self._cap_bytes, self.compression, self._comm
+            )
+            self._reducers[stage] = reducer
+        return reducer
+
+    @property
+    def wire_bytes(self) -> int:
+        """What this rank's REDUCEs handed to the network, in all."""
+        return sum(r.wire_bytes for r in self._reducers.values())
+
+    @property
+    def early_buckets(self) -> int:
+        """Buckets started during a backward, before their REDUCE action, in all."""
+        return sum(r.early_buckets for r in self._reducers.values())
+
+    def arm(self, stage: int, step: int, tensors: Sequence[torch.Tensor]) -> None:
+        """The coming backward is stage ``stage``'s last of batch ``step``: start each bucket
+        of its REDUCE as the backward makes its gradients final
+        (:mod:`syncline.pipeline.reduce_buckets`)."""
+        if tensors:
+            self._buckets(stage).arm(step, tensors)
+
+    def disarm(self) -> None:
+        """Remove any hooks an interrupted backward left."""
+        for r in self._reducers.values():
+            r.disarm()
 
     def reduce(self, stage: int, step: int, tensors: Sequence[torch.Tensor]) -> None:
         """Average the ``.grad`` of ``tensors`` (stage ``stage``, batch ``step``) over the
         replicas. A tensor without a gradient counts as zero and gets the average."""
         if not tensors:
             return
-        flat = self._buffer(stage, tensors)
-        views, layout, offset = [], [], 0
-        with torch.no_grad():
-            for t in tensors:
-                view = flat[offset : offset + t.numel()].view_as(t)
-                layout.append((offset, tuple(t.shape)))
-                offset += t.numel()
-                if t.grad is None:
-                    view.zero_()
-                else:
-                    view.copy_(t.grad)
-                views.append(view)
         what = f"REDUCE of stage {stage} at step {step}"
         try:
-            bucket = BucketRef(stage, step, tuple(layout))  # per-tensor compressors (PowerSGD)
-            pending = self.compression.reduce(bucket, flat, self._comm)
+            self._buckets(stage).reduce(step, tensors, self._wait)
         except CommError as exc:
             raise type(exc)(f"{self._context(what)} failed: {exc}") from exc
-        self._wait(pending, what)
-        self.wire_bytes += pending.wire_bytes
-        for t, view in zip(tensors, views, strict=True):
-            t.grad = view
 
     def average_loss(self, value: torch.Tensor, step: int) -> None:
         """Replace this replica's batch loss by the mean over the replicas (in place)."""

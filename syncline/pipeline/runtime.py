@@ -38,16 +38,16 @@ from syncline.errors import CommError, ConfigError
 from syncline.models.meta_init import LayerInit
 from syncline.models.meta_modules import ModuleInit
 from syncline.partition import stage_bounds
-from syncline.pipeline.actions import ActionHandlers
+from syncline.pipeline.actions import ActionHandlers, final_backwards
 from syncline.pipeline.batches import Batch, Inputs, split_inputs, take_batch, to_device
 from syncline.pipeline.build import build_stages, build_traced_stages, profiled_split
 from syncline.pipeline.checks import check_args, check_callables
 from syncline.pipeline.config import DEFAULT_SCHEDULE, PipelineConfig
 from syncline.pipeline.evaluate import ForwardOnly
 from syncline.pipeline.links import Links, tied_tag
-from syncline.pipeline.memory import StageMemoryStats
 from syncline.pipeline.precision import PipelinePrecision
 from syncline.pipeline.replicas import StageReplicas, check_compression, check_groups
+from syncline.pipeline.reports import PipelineReports
 from syncline.pipeline.split import full_state
 from syncline.pipeline.stage import LossFn, OptimizerFactory, Stage
 from syncline.pipeline.tied import TiedGradients
@@ -59,7 +59,6 @@ from syncline.schedule import (
     Event,
     Plan,
     Segment,
-    Timeline,
     build_plan,
 )
 
@@ -70,7 +69,7 @@ class StageError(RuntimeError):
     """A stage failed while executing an action; the message names rank, step and action."""
 
 
-class Pipeline(ActionHandlers):
+class Pipeline(ActionHandlers, PipelineReports):
     """Pipeline-parallel training of an ``nn.Sequential``, or of any model split at named
     modules: one rank per stage, optionally times ``w`` data-parallel replicas of the whole
     pipeline.
@@ -116,7 +115,10 @@ class Pipeline(ActionHandlers):
             its first replica (a collective over the group, as DDP's), once the balance is
             known; buffers (BatchNorm statistics) are not averaged afterwards.
         compression: a :class:`~syncline.dp.Compressor` for the REDUCE (default lossless;
-            e.g. ``FP16()``, ``CSC(0.01)``); one bucket per stage. Unused without replicas.
+            e.g. ``FP16()``, ``CSC(0.01)``). Unused without replicas.
+        reduce_bucket_mb: the REDUCE's bucket size in MiB (``0``: one bucket per stage); each
+            bucket starts inside the batch's last backward of its stage, once its gradients
+            are final (:mod:`syncline.pipeline.reduce_buckets`).
         timeout_s: the longest any wait on another rank may take.
         device: where the stage runs; default: where the module's parameters are.
         init: ``init(index, layer)`` for a model built on the meta device: each rank
@@ -171,6 +173,7 @@ class Pipeline(ActionHandlers):
         seed: int = 0,
         split_points: Sequence[str] | None = None,
         precision: str = "fp32",
+        reduce_bucket_mb: float = 4.0,
     ) -> None:
         config = PipelineConfig(
             num_stages=num_stages,
@@ -180,6 +183,7 @@ class Pipeline(ActionHandlers):
             balance=tuple(balance) if isinstance(balance, list | tuple) else balance,
             timeout_s=timeout_s,
             precision=precision,
+            reduce_bucket_mb=reduce_bucket_mb,
         )
         self._split_points = None if split_points is None else list(split_points)
         check_args(module, config, self._split_points)
@@ -202,10 +206,11 @@ class Pipeline(ActionHandlers):
         self._rank = comm.group_rank(process_group)
         self._timeout_s = float(timeout_s)
         self._replicas = (
-            StageReplicas(data_parallel_group, self._compression, self._timeout_s)
+            StageReplicas(data_parallel_group, self._compression, self._timeout_s,
+                          num_stages=num_stages, bucket_cap_mb=reduce_bucket_mb)
             if width > 1
             else None
-        )
+        )  # fmt: skip
         self._init, self._seed = init, seed
         first = next(module.parameters(), None)
         default = first.device if first is not None and not first.is_meta else torch.device("cpu")
@@ -224,6 +229,7 @@ class Pipeline(ActionHandlers):
         self._in_flight: Batch | None = None  # 2BW: taken, first forwards done
         self._batches: dict[int, Batch] = {}
         self._inbox: dict[tuple[ActionKind, int, int, int], torch.Tensor] = {}
+        self._final: set[Action] = set()  # this call's backwards that arm a REDUCE
         self._links = Links(
             PointToPoint(process_group, timeout_s=self._timeout_s, device=self._device),
             self._plan.schedule,
@@ -320,13 +326,6 @@ class Pipeline(ActionHandlers):
     def compression(self) -> Compressor:
         """The REDUCE's compressor (its ``state_dict`` belongs in a checkpoint)."""
         return self._compression
-
-    @property
-    def wire_bytes(self) -> dict[str, int]:
-        """Payload bytes this rank has sent so far: ``activations``, ``gradients`` (to the
-        neighbouring stages) and ``reduce`` (to its replicas, as compressed)."""
-        reduce = 0 if self._replicas is None else self._replicas.wire_bytes
-        return {**self._links.sent, "reduce": reduce}
 
     @property
     def loss_scaler(self) -> LossScaler | None:
@@ -434,28 +433,6 @@ class Pipeline(ActionHandlers):
             self._broken = str(exc)
             raise
 
-    def memory_stats(self) -> dict[int, StageMemoryStats]:
-        """Per local stage: peak stashed activations and weight versions (measured)."""
-        self._require_setup()
-        return {s: self._stages[s].memory_stats() for s in self.stages}
-
-    def reset_memory_stats(self) -> None:
-        for stage in self._stages.values():
-            stage.reset_memory_stats()
-
-    def trace(self, *, origin: float | None = None) -> Timeline:
-        """This rank's executed actions as a :class:`~syncline.schedule.Timeline`, in seconds.
-
-        Times are ``time.perf_counter()`` minus ``origin`` (default: this rank's first
-        start). On Linux that clock is shared by the processes of a machine, so a trainer
-        can gather ``trace(origin=0.0)`` from every rank, subtract the smallest start and
-        merge the events; ``to_chrome_trace(timeline, us_per_unit=1e6)`` writes it.
-        """
-        events = list(self._events)
-        base = origin if origin is not None else (events[0].start if events else 0.0)
-        shifted = tuple(Event(e.rank, e.action, e.start - base, e.end - base) for e in events)
-        return Timeline(self._plan.name, {self._rank: shifted})
-
     # -- setup -----------------------------------------------------------------------------
 
     def _require_setup(self) -> None:
@@ -523,6 +500,7 @@ class Pipeline(ActionHandlers):
         if nxt is not None:
             self._batches[nxt.index] = nxt
         actions = segment.at(self._rank, current.index)
+        self._final = final_backwards(actions) if self._replicas is not None else set()
         self._call += 1
         try:
             self._links.expect_call(actions)

@@ -27,7 +27,12 @@ from tests.zoo.models import LM_STEPS, lm_batches, tiny_gpt
 
 WORLD, DEPTH = 4, 2
 WIDTH = WORLD // DEPTH
-CASES = schedules.REPLICAS
+#: REDUCE buckets of ~1 KiB: several per stage, each started inside the last backward
+SMALL_BUCKETS = {"1f1b-buckets": "1f1b", "2bw-buckets": "2bw", "interleaved-buckets": "interleaved"}
+CASES = {
+    **schedules.REPLICAS,
+    **{name: schedules.REPLICAS[base] for name, base in SMALL_BUCKETS.items()},
+}
 
 
 def _shard(replica: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -46,6 +51,7 @@ def _train(name: str, pipe_group: comm.Group, dp_group: comm.Group) -> dict:
         data_parallel_group=dp_group,
         compression={"fp16": FP16(), "powersgd": PowerSGD(rank=1)}.get(case.compression or ""),
         timeout_s=30,
+        reduce_bucket_mb=0.001 if name in SMALL_BUCKETS else 4.0,
     )
     batches = iter(_shard(comm.group_rank(dp_group)))
     losses = [pipe.train_step(batches) for _ in range(LM_STEPS - 1)]
@@ -56,6 +62,8 @@ def _train(name: str, pipe_group: comm.Group, dp_group: comm.Group) -> dict:
         "balance": pipe.balance,
         "compression": pipe.compression.state_dict(),
         "shapes": [tuple(p.shape) for p in pipe.stage_module.parameters()],
+        "early_buckets": pipe.early_reduce_buckets,
+        "buckets": {s: r.num_buckets for s, r in pipe._replicas._reducers.items()},
     }
 
 
@@ -151,6 +159,20 @@ def test_replicas_match_one_process_on_the_whole_batch(per_rank, name: str) -> N
         assert r[name]["losses"] == pytest.approx(want_losses, abs=1e-5), name
 
 
+@pytest.mark.parametrize("name", ["1f1b", *SMALL_BUCKETS])
+def test_every_reduce_bucket_starts_inside_the_last_backward(per_rank, name: str) -> None:
+    """Each stage's REDUCE buckets (one per stage by default, several at ~1 KiB) all start
+    from the backward hooks, none at the REDUCE action: every parameter of these stages
+    gets its gradient in every micro-batch. (That they average exactly: the test above.)"""
+    for r in per_rank:
+        buckets = r[name]["buckets"]
+        if name in SMALL_BUCKETS:
+            assert all(n > 1 for n in buckets.values()), buckets
+        else:
+            assert all(n == 1 for n in buckets.values()), buckets
+        assert r[name]["early_buckets"] == LM_STEPS * sum(buckets.values())
+
+
 def test_replicas_agree_on_a_profiled_balance(per_rank) -> None:
     splits = [r["1f1b-profiled"]["balance"] for r in per_rank]
     assert all(split == splits[0] for split in splits) and sum(splits[0]) == 4, splits
@@ -172,9 +194,7 @@ def test_powersgd_reduce_compresses_each_weight_matrix_of_a_stage(per_rank) -> N
     """The REDUCE hands PowerSGD the stage's layout: one rank-1 factor pair per weight matrix
     whose factors are >= 2x smaller (Vogels et al.; DDP's hook), not one for the whole buffer."""
     for r in per_rank:
-        matrices = [
-            (s[0], math.prod(s[1:])) for s in r["1f1b-powersgd"]["shapes"] if len(s) >= 2
-        ]
+        matrices = [(s[0], math.prod(s[1:])) for s in r["1f1b-powersgd"]["shapes"] if len(s) >= 2]
         q_numel = sum(cols for rows, cols in matrices if 2 * (rows + cols) < rows * cols)
         (bucket,) = r["1f1b-powersgd"]["compression"]["buckets"].values()
         assert q_numel > 0 and bucket["q"].numel() == q_numel
