@@ -19,6 +19,7 @@ from typing import NoReturn
 
 from syncline.cli.options import add_config_options, values_from
 from syncline.cli.plan import add_plan_options, cmd_plan, plan_doc
+from syncline.cli.report import REPORT_DOC, add_report_options, cmd_report
 from syncline.errors import CommError, ConfigError
 from syncline.registry import import_plugins
 from syncline.train.config import TrainConfig
@@ -32,10 +33,12 @@ byte-level language model on the Python standard library's own source code, 2 lo
 processes (gloo on CPU, NCCL on GPUs), about a minute or two.
 
 Output: a progress line per logged step (loss, samples/s, tokens/s, bytes allreduced per
-step), a summary, and a run directory with config.json, metrics.jsonl, loss.png,
-summary.json and checkpoint.pt (written atomically, verified on load); pipelines add
-trace.json (Chrome/Perfetto trace of the executed actions of every rank) and schedule.png
-(their Gantt chart), both of the last steps.
+step, ETA; redrawn in place on a terminal), a summary, and a run directory with
+config.json, metrics.jsonl, loss.png, summary.json and checkpoint.pt (written atomically,
+verified on load); pipelines add trace.json (Chrome/Perfetto trace of the executed actions
+of every rank) and schedule.png (their Gantt chart), both of the last steps; a language
+model adds sample.txt (--sample-tokens), --tensorboard adds tensorboard/. Compare run
+directories with: syncline report RUN_DIR RUN_DIR.
 
 Pipeline example: syncline train --pipeline-stages 2 --microbatches 8 --schedule 2bw
 (the model is cut into 2 stages, one per rank; the batch into 8 micro-batches).
@@ -83,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_options(p)
     add_plan_options(p)
+    r = sub.add_parser(
+        "report",
+        help="compare run directories: a table and one PNG of the runs side by side",
+        description=REPORT_DOC,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_report_options(r)
     return parser
 
 
@@ -131,6 +141,10 @@ def config_from_args(ns: argparse.Namespace, *, planning: bool = False) -> Train
         values["run_dir"] = f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{model}"
     if values.get("emulate_network") is not None:
         _check_emulation(values["emulate_network"], values)
+    if values.get("tensorboard") and not planning:
+        from syncline.train.tensorboard_log import check_available
+
+        check_available()
     limit, why = _max_local_processes(str(values.get("backend", _D.backend)))
     nproc = values.get("nproc_per_node", _D.nproc_per_node)
     if isinstance(nproc, int) and nproc > limit:
@@ -139,6 +153,9 @@ def config_from_args(ns: argparse.Namespace, *, planning: bool = False) -> Train
     from syncline.dp.registry import build_compressor
 
     build_compressor(cfg.compression)  # the compressor's own range checks, before any work
+    from syncline.train.preflight import preflight
+
+    preflight(cfg)  # the data's files, the user's factories
     return cfg
 
 
@@ -154,6 +171,7 @@ _MAY_CHANGE_ON_RESUME = frozenset(
         "schedule",
         "microbatches",
         "balance",
+        "split_points",
         "recompute",
         "allreduce",
         "ranks_per_node",
@@ -170,6 +188,8 @@ _MAY_CHANGE_ON_RESUME = frozenset(
         "keep_checkpoints",
         "inject_failure",
         "plugins",
+        "tensorboard",
+        "sample_tokens",
     }
 )
 
@@ -208,7 +228,7 @@ def _resumed_values(given: dict[str, object]) -> dict[str, object]:
         )
     merged = {**stored, "inject_failure": None, **given, "run_dir": str(run), "resume": str(run)}
     if merged.get("pipeline_stages", 1) == 1:  # resharded onto data parallelism
-        for key in ("schedule", "microbatches", "balance", "recompute"):
+        for key in ("schedule", "microbatches", "balance", "recompute", "split_points"):
             if key not in given:
                 merged[key] = getattr(_D, key)
     elif "pipeline_stages" in given and "balance" not in given:
@@ -334,7 +354,9 @@ def cmd_train_planned(argv: list[str], ns: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     plugins = _plugins_in(args)
-    if plugins and os.getcwd() not in sys.path:
+    # --model/--data package.module:factory, given or in the config --resume reads
+    factories = any(":" in a or a.startswith("--resume") for a in args)
+    if (plugins or factories) and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # as in the ranks, which torchrun starts with `-m`
     try:
         import_plugins(plugins)
@@ -347,6 +369,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if ns.command == "report":
+            return cmd_report(ns)
         if ns.command == "plan":
             return cmd_plan(config_from_args(ns, planning=True), ns)
         if ns.plan == "auto":

@@ -4,7 +4,9 @@ An entry is everything the rest of syncline needs to know about a model (torchti
 ``ModelSpec`` plays the same part): the dataclass of its shape (whose fields are the model's
 options), the builder and the loss (as objects or ``"module:attribute"`` references, so this
 module loads no torch), the data sets it trains on, and how many layers a pipeline can cut.
-Adding a model is one module plus one ``MODELS.register(ModelSpec(...))``.
+Adding a model is one module plus one ``MODELS.register(ModelSpec(...))``. A user's own
+model needs no entry: :func:`model_spec` turns ``"package.module:factory"`` into a spec
+(:mod:`syncline.models.factory`).
 
 Example:
     >>> MODELS.register(ModelSpec("mlp", "a small MLP", MLPConfig, build_mlp,
@@ -22,9 +24,9 @@ from typing import Any
 
 from syncline.errors import ConfigError
 from syncline.models.configs import CNNConfig, GPTConfig
-from syncline.registry import Registry, resolve
+from syncline.registry import REFERENCE, Registry, resolve
 
-__all__ = ["MODELS", "ModelSpec", "build_model", "model_loss"]
+__all__ = ["MODELS", "ModelSpec", "build_model", "model_forms", "model_loss", "model_spec"]
 
 
 def _no_layers(config: Any) -> None:
@@ -59,6 +61,8 @@ class ModelSpec:
             materialise layer by layer from per-layer seeds, so a pipeline rank allocates
             only its stage (:mod:`syncline.models.meta_init`). ``None``: the model is
             built whole, initialised by its builder.
+        any_data: it trains on whatever data the user gives (a user's factory model);
+            ``datasets`` may then be empty, and ``--data`` is required.
     """
 
     name: str
@@ -73,12 +77,19 @@ class ModelSpec:
     seq_len_field: str | None = None
     language_model: bool = False
     init: str | Callable[[Any], Any] | None = None
+    any_data: bool = False
 
     def __post_init__(self) -> None:
         if not dataclasses.is_dataclass(self.config):
             raise ConfigError(f"model {self.name!r}: config={self.config!r} must be a dataclass")
-        if not self.datasets:
+        if not self.datasets and not self.any_data:
             raise ConfigError(f"model {self.name!r} needs at least one data set")
+
+    def loss_for(self, config: Any) -> Callable[[Any, Any], Any]:
+        """The loss ``loss(output, target) -> scalar`` of the model built from ``config``
+        (a factory's model may bring its own)."""
+        loss: Callable[[Any, Any], Any] = resolve(self.loss)
+        return loss
 
     def coerce_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
         """``options`` with text values (from the command line) turned into the types of the
@@ -130,6 +141,31 @@ def _from_text(model: str, key: str, text: str, kind: str) -> Any:
 MODELS: Registry[ModelSpec] = Registry("model")
 
 
+def model_forms() -> tuple[str, ...]:
+    """What ``--model`` takes: the registered names, then a factory reference."""
+    return (*MODELS.names(), REFERENCE)
+
+
+def model_spec(name: str) -> ModelSpec:
+    """The spec of ``--model name``: a registered model, or, for a ``"package.module:factory"``
+    reference (registered names have no ``:``), the user's factory (checked for its form
+    only; :mod:`syncline.models.user` imports and builds it).
+
+    Raises:
+        ConfigError: an unknown name or a malformed reference, naming what is valid.
+    """
+    if ":" in name:
+        from syncline.models.factory import factory_spec
+
+        return factory_spec(name)
+    if name not in MODELS:
+        raise ConfigError(
+            f"model={name!r} is unknown; valid: {', '.join(MODELS.names())}, or your own "
+            f"factory as {REFERENCE}"
+        )
+    return MODELS.get(name)
+
+
 def build_model(name: str, **overrides: Any) -> Any:
     """Build a registered model from its default config with some fields overridden.
 
@@ -158,8 +194,7 @@ def model_loss(name: str) -> Callable[[Any, Any], Any]:
     Raises:
         ConfigError: for an unknown name.
     """
-    loss: Callable[[Any, Any], Any] = resolve(MODELS.get(name).loss)
-    return loss
+    return MODELS.get(name).loss_for(None)
 
 
 MODELS.register(
@@ -169,7 +204,7 @@ MODELS.register(
         GPTConfig,
         build="syncline.models.gpt:build_gpt",
         loss="syncline.models.gpt:lm_loss",
-        datasets=("stdlib",),
+        datasets=("stdlib", "text"),
         num_layers=lambda c: c.n_layer + 2,
         describe_layers=lambda c: f"embedding + n_layer={c.n_layer} blocks + head",
         flags={"n_layer": "--n-layer", "n_embd": "--n-embd", "n_head": "--n-head"},
@@ -185,7 +220,7 @@ MODELS.register(
         CNNConfig,
         build="syncline.models.cnn:build_cnn",
         loss="syncline.models.cnn:cnn_loss",
-        datasets=("digits", "synthetic"),
+        datasets=("digits", "synthetic", "images"),
         num_layers=lambda c: c.depth + 3,
         describe_layers=lambda c: "stem, residual blocks, pool, flatten, linear",
         flags={"width": "--cnn-width"},

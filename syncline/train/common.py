@@ -10,6 +10,7 @@ import math
 import os
 import signal
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -66,6 +67,12 @@ def layer_init_for(cfg: TrainConfig) -> LayerInit | None:
     """The model's per-layer initialiser for ``cfg``'s shape, if its registry entry has one."""
     spec = cfg.model_spec
     return None if spec.init is None else resolve(spec.init)(cfg.model_config())
+
+
+def loss_for(cfg: TrainConfig) -> Callable[[Any, Any], Any]:
+    """The model's loss ``loss(output, target) -> scalar``: its registry entry's, or a
+    factory's own (:mod:`syncline.models.factory`)."""
+    return cfg.model_spec.loss_for(cfg.model_config())
 
 
 def build_dataset(cfg: TrainConfig) -> tuple[Any, int]:

@@ -13,12 +13,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from syncline.comm.registry import ALLREDUCE
-from syncline.data.registry import DATASETS
+from syncline.data.registry import check_fits, data_forms
 from syncline.dp.config import PRECISIONS
 from syncline.dp.registry import COMPRESSORS, compressor_name, forms, parse
 from syncline.errors import ConfigError
 from syncline.fields import check_positive, check_positive_int, option
-from syncline.models.registry import MODELS, ModelSpec
+from syncline.models.factory import check_split_points, split_names
+from syncline.models.registry import ModelSpec, model_forms, model_spec
 from syncline.partition import check_balance
 from syncline.pipeline.config import DEFAULT_SCHEDULE
 from syncline.schedule.registry import SCHEDULES, ScheduleSpec, check_microbatches
@@ -57,14 +58,18 @@ def _layers_per_stage(text: str) -> tuple[int, ...]:
 class TrainConfig:
     """Everything ``syncline train`` needs; saved as ``config.json`` in each run directory."""
 
-    model: str = option("gpt", group=_MODEL, metavar="NAME", choices=MODELS.names)
+    model: str = option("gpt", group=_MODEL, metavar="NAME", choices=model_forms)
     """A registered model (:data:`syncline.models.MODELS`): ``gpt`` (byte-level
-    transformer), ``cnn`` (BatchNorm CNN) or a plug-in's."""
+    transformer), ``cnn`` (BatchNorm CNN) or a plug-in's; or your own as
+    ``package.module:factory``, a function or class returning an ``nn.Module`` or a pair
+    ``(module, loss)``, called with the ``model_options`` (and ``seq_len`` if it takes it)."""
     data: str | None = option(
-        None, group=_MODEL, metavar="NAME", choices=DATASETS.names, default_text="the model's first"
+        None, group=_MODEL, metavar="SPEC", choices=data_forms, default_text="the model's first"
     )
-    """A registered data set the model trains on; ``None`` picks the model's first
-    (gpt: stdlib; cnn: digits, synthetic)."""
+    """A data set the model trains on: a registered one (gpt: stdlib, text:PATH; cnn:
+    digits, synthetic, images:PATH), ``text:PATH`` (a text file or folder, as bytes),
+    ``images:PATH`` (class sub-folders of images), or ``package.module:factory`` returning a
+    map-style data set of (input, target); ``None`` picks the model's first."""
     model_options: dict[str, Any] = option(
         default_factory=dict,
         group=_MODEL,
@@ -142,6 +147,13 @@ class TrainConfig:
     )
     """Layers per (virtual) stage, summing to the model's layers; ``None`` profiles the
     layers on the first micro-batch and balances their times."""
+    split_points: tuple[str, ...] | None = option(
+        None, group=_PP, metavar="NAME,NAME", parse=split_names, default_text="none"
+    )
+    """For a factory's model that is no ``nn.Sequential``: the modules (names from
+    ``named_modules()``, e.g. ``transformer.h.2``) where stages 2, 3, ... begin; the model
+    is traced and cut there (torch's pipeline splitter), called as ``model(**{its forward's
+    first argument: inputs})``."""
     nproc_per_node: int = option(2, group=_LAUNCH, flags=("--nproc-per-node", "--nproc"))
     """Processes (ranks) on this node."""
     nnodes: int = option(1, group=_LAUNCH)
@@ -168,6 +180,10 @@ class TrainConfig:
     """Where config, metrics, plot and checkpoint go."""
     log_every: int = option(10, group=_OUT)
     """Print and record metrics every this many steps."""
+    tensorboard: bool = option(False, group=_OUT)
+    """Also write the recorded scalars (losses, learning rate, samples/s, bytes on the wire,
+    exposed communication, a pipeline's bubble fraction) to RUN_DIR/tensorboard for
+    TensorBoard (rank 0; metrics.jsonl stays the source of truth)."""
     val_fraction: float = option(0.05, group=_EVAL, metavar="F")
     """Share of the data set held out for validation and never trained on (the end of a
     text's token stream; the last samples of other data sets), in [0, 0.5]; 0 trains on
@@ -179,6 +195,10 @@ class TrainConfig:
     eval_batches: int = option(4, group=_EVAL, metavar="K")
     """Global batches of ``batch_size`` held-out samples per validation: the same K batches
     every time, so the curve shows the model and not the sample."""
+    sample_tokens: int = option(200, group=_EVAL, metavar="N")
+    """A language model generates N tokens after a held-out prompt at the end (seeded
+    sampling from the trained model), printed and saved as sample.txt and in summary.json;
+    0: none. Other models ignore it."""
     inject_failure: str | None = option(None, group=_OUT, metavar="RANK:STEP")
     """Testing aid: make RANK fail at STEP, to see the job stop cleanly and name it: exit
     before the step, or with ``:PHASE`` die by SIGKILL inside it (``forward``,
@@ -201,13 +221,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         spec = self.model_spec
-        valid_data = spec.datasets
-        if self.data is not None and self.data not in valid_data:
-            raise ConfigError(
-                f"data={self.data!r} does not fit model {self.model!r}; valid: "
-                f"{', '.join(valid_data)}"
-            )
-        DATASETS.get(self.dataset)
+        check_fits(self.data, self.model, spec.datasets, spec.any_data)
         for name in ("nproc_per_node", "nnodes", "batch_size", "steps", "seq_len", "threads"):
             check_positive_int(name, getattr(self, name))
         for name in ("log_every", "pipeline_stages", "keep_checkpoints", "eval_batches"):
@@ -236,9 +250,12 @@ class TrainConfig:
             )
         if self.pipeline_stages > 1:
             self._check_pipeline()
-        elif self.microbatches is not None or self.schedule or self.recompute or self.balance:
+        elif self.microbatches is not None or any(
+            (self.schedule, self.recompute, self.balance, self.split_points)
+        ):
             raise ConfigError(
-                "microbatches, schedule, recompute and balance need pipeline_stages > 1 "
+                "microbatches, schedule, recompute, balance and split_points need "
+                "pipeline_stages > 1 "
                 f"(got pipeline_stages={self.pipeline_stages}); add --pipeline-stages D"
             )
         elif self.batch_size % self.world_size:
@@ -290,6 +307,11 @@ class TrainConfig:
             raise ConfigError(f"val_fraction={f!r} is invalid; valid: a number in [0, 0.5]")
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ConfigError(f"eval_every={every!r} is invalid; valid: an integer >= 0")
+        tokens = self.sample_tokens
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ConfigError(f"sample_tokens={tokens!r} is invalid; valid: an integer >= 0")
+        if not isinstance(self.tensorboard, bool):
+            raise ConfigError(f"tensorboard={self.tensorboard!r} is invalid; valid: true or false")
         if every and not f:
             raise ConfigError(
                 f"eval_every={every} needs held-out data but val_fraction=0; valid: "
@@ -331,8 +353,12 @@ class TrainConfig:
         object.__setattr__(self, "microbatches", m)
         if self.balance is not None:
             object.__setattr__(self, "balance", tuple(self.balance))
-        stages, layers = self.virtual_stages, self.model_layers
-        if stages > layers:
+        stages = self.virtual_stages
+        if self.split_points is not None:
+            object.__setattr__(self, "split_points", tuple(self.split_points))
+            restarts = bool(self.resume or self.max_restarts)
+            check_split_points(self.split_points, self.model, stages, self.balance, restarts)
+        elif stages > (layers := self.model_layers):
             raise ConfigError(
                 f"pipeline_stages={d} needs {stages} stages but the {self.model} model has "
                 f"{layers} layers ({self.model_spec.describe_layers(self.model_config())}); "
@@ -374,7 +400,7 @@ class TrainConfig:
     @property
     def model_spec(self) -> ModelSpec:
         """The model's registry entry."""
-        return MODELS.get(self.model)
+        return model_spec(self.model)
 
     @property
     def schedule_spec(self) -> ScheduleSpec | None:
@@ -473,7 +499,7 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         """The fields as JSON values (tuples as lists), as saved in ``config.json``."""
         out = asdict(self)
-        for name in ("balance", "plugins"):
+        for name in ("balance", "plugins", "split_points"):
             if out[name] is not None:
                 out[name] = list(out[name])
         return out

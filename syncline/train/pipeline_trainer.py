@@ -26,10 +26,11 @@ from torch import nn
 
 from syncline import comm
 from syncline.data import ShardedBatches
+from syncline.data.user import KeywordInputs
 from syncline.dp.compressors import build_compressor
 from syncline.dp.precision import LossScaler, scaler_summary
 from syncline.errors import ConfigError
-from syncline.models import model_loss
+from syncline.models.user import first_argument
 from syncline.partition import balance as balance_costs
 from syncline.pipeline import Pipeline
 from syncline.schedule import Event, Timeline, bubble_fraction, to_chrome_trace
@@ -40,6 +41,7 @@ from syncline.train.common import (
     build_model_for,
     fail_if_injected,
     layer_init_for,
+    loss_for,
     lr_at,
     make_optimizer,
     set_lr,
@@ -48,8 +50,10 @@ from syncline.train.config import TrainConfig
 from syncline.train.metrics import MetricsLog, plot_loss, summarize, timed_record
 from syncline.train.plots import plot_schedule
 from syncline.train.progress import Progress, human_bytes
+from syncline.train.sample import Sample, record_sample, sample_for
 from syncline.train.snapshots import SnapshotStore
-from syncline.train.state import capture_pipeline, read_meta, restore_pipeline
+from syncline.train.state import capture_pipeline, read_meta, restore_pipeline, stage_split
+from syncline.train.tensorboard_log import TensorBoardLog
 from syncline.train.validation import Validation
 
 #: Steps (the last ones) whose actions go into trace.json and schedule.png: enough to see
@@ -71,7 +75,7 @@ def pipeline_groups(cfg: TrainConfig, world: int) -> tuple[comm.Group, comm.Grou
 
 def build_pipeline(
     cfg: TrainConfig,
-    model: nn.Sequential,
+    model: nn.Module,
     device: torch.device,
     group: comm.Group,
     data_parallel_group: comm.Group = None,
@@ -95,7 +99,8 @@ def build_pipeline(
         num_stages=cfg.virtual_stages,
         num_microbatches=cfg.microbatches,
         schedule=cfg.schedule,
-        loss_fn=model_loss(cfg.model),
+        loss_fn=loss_for(cfg),
+        split_points=cfg.split_points,
         optimizer=optimizer,
         recompute=cfg.recompute,
         balance=balance or (None if cfg.balance is None else list(cfg.balance)),
@@ -120,15 +125,21 @@ def train_pipeline(
     from the newest checkpoint (cut into the same stages)."""
     replicas = cfg.pipeline_replicas
     model = build_model_for(cfg, meta=True)  # each rank materialises its stages only
-    if not isinstance(model, nn.Sequential):
+    if not isinstance(model, nn.Sequential) and cfg.split_points is None:
         raise ConfigError(
             f"model {cfg.model!r} built a {type(model).__name__}; a pipeline cuts an "
-            "nn.Sequential: valid: pipeline_stages=1, or a model built as nn.Sequential"
+            "nn.Sequential: valid: pipeline_stages=1, a model built as nn.Sequential, or "
+            "--split-points"
         )
     dataset, held_out, tokens_per_sample = build_datasets(cfg)
+    fed, held_fed = dataset, held_out
+    if cfg.split_points is not None:  # a traced model takes its inputs by name
+        name = first_argument(model)
+        fed = KeywordInputs(dataset, name)
+        held_fed = None if held_out is None else KeywordInputs(held_out, name)
     # global rank = stage * replicas + replica: every stage of replica j reads shard j
-    shard = ShardedBatches(dataset, cfg.batch_size, rank % replicas, replicas, cfg.seed)
-    validation = Validation(cfg, held_out, rank % replicas, replicas, tokens_per_sample)
+    shard = ShardedBatches(fed, cfg.batch_size, rank % replicas, replicas, cfg.seed)
+    validation = Validation(cfg, held_fed, rank % replicas, replicas, tokens_per_sample)
     group, data_parallel = pipeline_groups(cfg, world)
     store = SnapshotStore(
         Path(cfg.run_dir) / "checkpoints",
@@ -153,6 +164,11 @@ def train_pipeline(
             print(f"resumed from {snap.path} (step {start}{how})", flush=True)
     log = MetricsLog(Path(cfg.run_dir) / "metrics.jsonl", resume_at=start) if rank == 0 else None
     progress = Progress(cfg.steps) if rank == 0 else None
+    board = (
+        TensorBoardLog.open(Path(cfg.run_dir), pipelined=True)
+        if progress is not None and cfg.tensorboard
+        else None
+    )
     t_start = trace_from = time.perf_counter()
     wire = _WireMeter(pipe, start, cfg.timeout_s, device)
     ends = _segment_ends(start, cfg.steps, cfg.checkpoint_every or 0)
@@ -195,7 +211,11 @@ def train_pipeline(
                 val_ppl=validated.get("val_ppl"),
             )
             log.append(record)
-            progress.update(step, loss, record.samples_per_s, record.tokens_per_s, None)
+            if board is not None:
+                board.add(record)
+            progress.update(
+                step, loss, record.samples_per_s, record.tokens_per_s, None, step_s=record.step_s
+            )
             if validated:
                 progress.validation(step, validated)
         done = step + 1
@@ -210,6 +230,7 @@ def train_pipeline(
                 ),
             )
     pipe.flush()
+    sample = _sample(cfg, pipe, dataset if held_out is None else held_out, tokens_per_sample, rank)
     gathered = comm.gather_objects(
         _rank_results(pipe, trace_from, weights=rank % replicas == 0),
         what="gather of stage weights and traces",
@@ -219,7 +240,23 @@ def train_pipeline(
     if gathered is None or log is None or progress is None:
         return {}
     progress.close()
-    return _finish(cfg, model, gathered, log, world, pipe.loss_scaler)
+    return _finish(cfg, model, gathered, log, world, pipe.loss_scaler, board, sample)
+
+
+def _sample(
+    cfg: TrainConfig, pipe: Pipeline, dataset: Any, tokens: int, rank: int
+) -> Sample | None:
+    """The run's generated sample, on every rank of the pipeline together (each call of
+    :meth:`Pipeline.predict` is a forward pass through all stages; its logits come back to
+    every rank, which all draw the same next token from the same seed). A model that takes
+    no plain token tensor (a traced model's dict of inputs, checked alike on every rank
+    before anything is sent) gives no sample."""
+    try:
+        return sample_for(cfg, pipe.predict, dataset, tokens, torch.device("cpu"))
+    except ConfigError as exc:
+        if rank == 0:
+            print(f"no sample: the pipeline takes no plain token tensor ({exc})", flush=True)
+        return None
 
 
 class _WireMeter:
@@ -307,7 +344,7 @@ def _rank_results(pipe: Pipeline, trace_from: float, *, weights: bool) -> dict[s
         "state": {k: v.cpu() for k, v in state.items()},
         "optimizers": {s: o.state_dict() for s, o in optimizers},
         "memory": {s: asdict(m) for s, m in pipe.memory_stats().items()},
-        "balance": pipe.balance,
+        "balance": stage_split(pipe),
         "events": [e for e in events if e.start >= trace_from],
         "peak_rss_bytes": rss,
     }
@@ -367,6 +404,8 @@ def _finish(
     log: MetricsLog,
     world: int,
     scaler: LossScaler | None,
+    board: TensorBoardLog | None = None,
+    sample: Sample | None = None,
 ) -> dict[str, Any]:
     run_dir = Path(cfg.run_dir)
     optimizers = {s: o for r in gathered for s, o in r["optimizers"].items()}
@@ -422,6 +461,7 @@ def _finish(
         microbatches=cfg.microbatches,
         recompute=cfg.recompute,
         balance=gathered[0]["balance"],
+        split_points=cfg.split_points,
         memory=memory,
         traced_steps=[first, cfg.steps - 1],
         traced_bubble_fraction=bubble_fraction(timeline),
@@ -429,17 +469,24 @@ def _finish(
         traced_idle_per_rank={str(r): f for r, f in timeline.idle_fractions().items()},
         checkpoint=str(ckpt),
     )
+    shown = record_sample(sample, run_dir, summary)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    _print_summary(summary, run_dir)
+    if board is not None:
+        board.close(summary, cfg.steps - 1)
+    _print_summary(summary, run_dir, board is not None)
+    if shown:
+        print(shown.lstrip("\n"), flush=True)
     return summary
 
 
-def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
+def _print_summary(summary: dict[str, Any], run_dir: Path, board: bool = False) -> None:
     peak = max((m["peak_activation_bytes"] for m in summary["memory"].values()), default=0)
     idle = ", ".join(f"{f:.0%}" for f in summary["traced_idle_per_rank"].values())
+    points = summary.get("split_points")
+    cut = f"split at {', '.join(points)}" if points else f"balance {summary['balance']}"
     print(
         f"\nsummary: {summary['steps']} steps, {summary['schedule']} over "
-        f"{summary['virtual_stages']} stages (balance {summary['balance']}), "
+        f"{summary['virtual_stages']} stages ({cut}), "
         f"m={summary['microbatches']} | loss {summary['first_loss']:.4f} -> "
         f"{summary['final_loss']:.4f} | {summary['median_samples_per_s']:.1f} samples/s, "
         f"{summary['median_tokens_per_s']:.0f} tokens/s (median) | stashed activations "
@@ -448,6 +495,7 @@ def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
         f"{human_bytes(summary['wire_bytes_per_step'])} on the wire/step | "
         f"{summary['elapsed_s']:.1f}s\n"
         f"run directory: {run_dir} (config.json, metrics.jsonl, loss.png, checkpoint.pt, "
-        "summary.json, trace.json, schedule.png)",
+        f"summary.json, trace.json, schedule.png{', sample.txt' if 'sample' in summary else ''}"
+        f"{', tensorboard/' if board else ''})",
         flush=True,
     )

@@ -49,12 +49,11 @@ from syncline.dp.buckets import plan_buckets
 from syncline.dp.compression import BucketRef
 from syncline.dp.compressors import build_compressor
 from syncline.dp.config import DataParallelConfig
-from syncline.models import model_loss
 from syncline.pipeline.profile import profile_layers
 from syncline.planner.costs import Affine, LayerCost, ModelCosts
 from syncline.planner.hardware import Cluster, Link
 from syncline.planner.search import DEFAULT_COMPRESSIONS
-from syncline.train.common import build_dataset, build_model_for, make_optimizer
+from syncline.train.common import build_dataset, build_model_for, loss_for, make_optimizer
 from syncline.train.config import TrainConfig
 
 P2P_SIZES = (4096, 65536, 1 << 20, 4 << 20, 16 << 20)
@@ -94,7 +93,7 @@ def _model_costs(
     cfg: TrainConfig, model: nn.Sequential, sizes: tuple[int, int], rank: int, world: int
 ) -> ModelCosts:
     dataset, tokens = build_dataset(cfg)
-    loss_fn = model_loss(cfg.model)
+    loss_fn = loss_for(cfg)
     profiles, losses, samples = [], [], []
     scales: list[float] = []  # the whole model's forward + backward over the sum of its parts
     for b in sizes:
@@ -225,7 +224,7 @@ def _step_peaks(
     loss, backward, the run's optimizer) at each micro-batch size, smallest first: the
     peak only grows, so each size's peak is its own. Run before anything else allocates."""
     dataset, _ = build_dataset(cfg)
-    loss_fn = model_loss(cfg.model)
+    loss_fn = loss_for(cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(cfg, params)
     out = []
@@ -290,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         allreduce = time_allreduce(ALLREDUCE_SIZES)
         dataset, _ = build_dataset(cfg)
         x, y = ShardedBatches(dataset, cfg.batch_size, rank, world, cfg.seed).batch(0)
-        loss_fn = model_loss(cfg.model)
+        loss_fn = loss_for(cfg)
 
         def train_step() -> None:
             model.zero_grad(set_to_none=True)

@@ -23,7 +23,7 @@ from torch import nn
 from syncline.comm.sharded import pack_object, read_index, unpack_object
 from syncline.dp.engine import DataParallel
 from syncline.dp.precision import LossScaler
-from syncline.errors import CheckpointError
+from syncline.errors import CheckpointError, ConfigError
 from syncline.pipeline.runtime import Pipeline
 from syncline.train.snapshots import Snapshot, SnapshotStore
 
@@ -222,6 +222,15 @@ def _stage_names(entries: dict[str, torch.Tensor]) -> dict[int, str]:
     return {id(t): n for n, t in entries.items() if isinstance(t, nn.Parameter)}
 
 
+def stage_split(pipe: Pipeline) -> list[int] | None:
+    """Layers per stage, or ``None`` for a model cut at named split points (those are in
+    the run's config; a traced pipeline has no balance)."""
+    try:
+        return pipe.balance
+    except ConfigError:
+        return None
+
+
 def capture_pipeline(
     step: int, pipe: Pipeline, rank: int, world: int, schedule: str
 ) -> dict[str, torch.Tensor]:
@@ -235,7 +244,7 @@ def capture_pipeline(
     meta = {"step": step, "world_size": world, "kind": "pipeline", "schedule": schedule}
     if pipe.loss_scaler is not None:  # fp16: the same scale on every rank
         meta["loss_scale"] = pipe.loss_scaler.state_dict()
-    out["run/meta"] = pack_object({**meta, "balance": pipe.balance})
+    out["run/meta"] = pack_object({**meta, "balance": stage_split(pipe)})
     return out
 
 

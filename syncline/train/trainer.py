@@ -23,13 +23,14 @@ from syncline.data import ShardedBatches
 from syncline.dp.compressors import build_compressor
 from syncline.dp.engine import DataParallel
 from syncline.dp.precision import LossScaler, autocast, scaler_summary
-from syncline.models import model_loss
+from syncline.pipeline.evaluate import evaluating
 from syncline.train.checkpoint import save_checkpoint
 from syncline.train.common import (
     arm_failure,
     build_datasets,
     build_model_for,
     fail_if_injected,
+    loss_for,
     lr_at,
     make_optimizer,
     set_lr,
@@ -37,8 +38,10 @@ from syncline.train.common import (
 from syncline.train.config import TrainConfig
 from syncline.train.metrics import MetricsLog, plot_loss, summarize, timed_record
 from syncline.train.progress import Progress, human_bytes
+from syncline.train.sample import Sample, record_sample, sample_for
 from syncline.train.snapshots import SnapshotStore
 from syncline.train.state import capture_dp, restore_dp
+from syncline.train.tensorboard_log import TensorBoardLog
 from syncline.train.validation import Validation
 
 
@@ -58,7 +61,7 @@ def train(
     count; a restarted attempt, like ``--resume``, continues from the newest checkpoint.
     """
     model = build_model_for(cfg).to(device)
-    loss_fn = model_loss(cfg.model)
+    loss_fn = loss_for(cfg)
     dataset, held_out, tokens_per_sample = build_datasets(cfg)
     batches = ShardedBatches(dataset, cfg.batch_size, rank, world, cfg.seed)
     validation = Validation(cfg, held_out, rank, world, tokens_per_sample)
@@ -89,6 +92,7 @@ def train(
                 print(f"resumed from {snap.path} (step {start}{how})", flush=True)
     log = MetricsLog(run_dir / "metrics.jsonl", resume_at=start) if rank == 0 else None
     progress = Progress(cfg.steps) if rank == 0 else None
+    board = TensorBoardLog.open(run_dir, pipelined=False) if rank == 0 and cfg.tensorboard else None
     t_start = time.perf_counter()
     for step in range(start, cfg.steps):
         fail_if_injected(cfg, rank, step, attempt)
@@ -137,8 +141,15 @@ def train(
                 val_ppl=validated.get("val_ppl"),
             )
             log.append(record)
+            if board is not None:
+                board.add(record)
             progress.update(
-                step, value, record.samples_per_s, record.tokens_per_s, stats.wire_bytes
+                step,
+                value,
+                record.samples_per_s,
+                record.tokens_per_s,
+                stats.wire_bytes,
+                step_s=record.step_s,
             )
             if validated:
                 progress.validation(step, validated)
@@ -152,12 +163,11 @@ def train(
                     fail_if_injected, cfg, rank, step, attempt, "checkpoint"
                 ),
             )
-            if rank == 0:
+            if progress is not None:  # rank 0
                 size = sum(f.stat().st_size for f in path.iterdir())
-                print(
+                progress.note(
                     f"checkpoint of step {done}: {human_bytes(size)} in "
-                    f"{time.perf_counter() - t_save:.2f}s -> {path}",
-                    flush=True,
+                    f"{time.perf_counter() - t_save:.2f}s -> {path}"
                 )
     # peak resident memory of each rank over the run, before rank 0 writes the checkpoint
     # (Linux reports KiB); the planner's memory prediction is checked against it
@@ -168,7 +178,11 @@ def train(
     if log is None or progress is None:
         return {}
     progress.close()
-    return _finish(cfg, model, opt, dp, log, world, peaks or [rss], scaler)
+    with evaluating([model]):  # rank 0 alone: its copy is the trained model
+        sample = sample_for(
+            cfg, model, dataset if held_out is None else held_out, tokens_per_sample, device
+        )
+    return _finish(cfg, model, opt, dp, log, world, peaks or [rss], scaler, board, sample)
 
 
 def _finish(
@@ -180,6 +194,8 @@ def _finish(
     world: int,
     peaks: list[int],
     scaler: LossScaler | None = None,
+    board: TensorBoardLog | None = None,
+    sample: Sample | None = None,
 ) -> dict[str, Any]:
     run_dir = Path(cfg.run_dir)
     summary = summarize(log.records)
@@ -214,7 +230,10 @@ def _finish(
     )
     plot_loss(log.records, run_dir / "loss.png", f"{cfg.model} on {cfg.dataset}, {world} ranks")
     summary["checkpoint"] = str(ckpt)
+    shown = record_sample(sample, run_dir, summary)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if board is not None:
+        board.close(summary, cfg.steps - 1)
     print(
         f"\nsummary: {summary['steps']} steps on {world} ranks | loss "
         f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f} | "
@@ -234,7 +253,8 @@ def _finish(
         )
         + f" | {summary['elapsed_s']:.1f}s\n"
         f"run directory: {run_dir} (config.json, metrics.jsonl, loss.png, checkpoint.pt, "
-        "summary.json)",
+        f"summary.json{', sample.txt' if sample else ''}"
+        f"{', tensorboard/' if board else ''})" + shown,
         flush=True,
     )
     return summary

@@ -1,0 +1,30 @@
+"""PURE at import: the checks of a run that read the user's files or import the user's code.
+
+Kept out of :class:`~syncline.train.config.TrainConfig`'s own validation, which is cheap and
+pure (it runs again in every rank); ``syncline train`` runs these once, before any process
+starts, so a bad path, an empty folder, unreadable data, a factory that fails or returns no
+module, or split points that name no module end the command with one line.
+"""
+
+from __future__ import annotations
+
+from syncline.data.registry import check_data
+from syncline.models.factory import FactoryCall
+from syncline.train.config import TrainConfig
+
+__all__ = ["preflight"]
+
+
+def preflight(cfg: TrainConfig) -> None:
+    """Check the data set (:func:`~syncline.data.registry.check_data`) and a factory's model
+    (:func:`~syncline.models.user.check_user_model`, built on the meta device).
+
+    Raises:
+        ConfigError: naming the value and what is valid.
+    """
+    check_data(cfg.dataset, cfg.seq_len, cfg.val_fraction)
+    call = cfg.model_config()
+    if isinstance(call, FactoryCall):  # nothing is known of a factory's model until built
+        from syncline.models.user import check_user_model
+
+        check_user_model(call, cfg.split_points)
