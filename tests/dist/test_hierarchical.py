@@ -17,6 +17,7 @@ from syncline import DataParallel
 from syncline.comm.collectives import FlatAllreduce
 from syncline.comm.hierarchical import HierarchicalAllreduce
 from syncline.comm.topology import Topology
+from syncline.dp.registry import build_compressor
 from syncline.errors import CommError, ConfigError
 from syncline.testing import run_ranks
 
@@ -35,6 +36,8 @@ CASES = [
     ((9,), torch.int32, False),
 ]
 STEPS, LR = 3, 0.1
+#: compressors whose collective is an allreduce (the hierarchical one, when it is given)
+COMPRESSORS = ("fp16", "csc:0.25:warmup=0:chunk=4", "powersgd:1:warmup=0")
 
 
 def _input(rank: int, index: int) -> torch.Tensor:
@@ -93,10 +96,17 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
-def _train(rank: int, allreduce: str | HierarchicalAllreduce) -> dict[str, torch.Tensor]:
+def _train(
+    rank: int, allreduce: str | HierarchicalAllreduce, compression: str | None = None
+) -> dict[str, torch.Tensor]:
     model = _mlp()
     # a tiny bucket cap gives several buckets, so several allreduces are in flight
-    dp = DataParallel(model, bucket_cap_mb=0.0002, allreduce=allreduce)
+    dp = DataParallel(
+        model,
+        bucket_cap_mb=0.0002,
+        allreduce=allreduce,
+        compression=None if compression is None else build_compressor(compression),
+    )
     opt = torch.optim.SGD(dp.parameters(), LR, momentum=0.9)
     for step in range(STEPS):
         g = torch.Generator().manual_seed(step)
@@ -120,6 +130,11 @@ def _rank_main(rank: int, world: int) -> dict:
         out["collectives"][name] = _collectives(hier, flat)
         out["train"][name] = _train(rank, hier)
     out["train"]["flat"] = _train(rank, "flat")
+    hier = HierarchicalAllreduce(Topology(world, 2), timeout_s=30).build()
+    out["compressed"] = {
+        spec: {"flat": _train(rank, "flat", spec), "2x2": _train(rank, hier, spec)}
+        for spec in COMPRESSORS
+    }
     return out
 
 
@@ -193,3 +208,19 @@ def test_poll_starts_later_phases_before_any_wait(results) -> None:
     for per_rank in results:
         assert per_rank["collectives"]["2x2"]["early"] == {2: n, 3: n}
         assert per_rank["collectives"]["1x4"]["early"] == {2: 0, 3: 0}  # flat: no phases
+
+
+@pytest.mark.parametrize("spec", COMPRESSORS)
+def test_compressors_run_over_the_hierarchical_allreduce(results, spec: str) -> None:
+    """A compressor's collectives go through the hierarchical allreduce (each phase moving
+    the compressed payload): training matches the same compressor on a flat ring up to the
+    order of additions, and every rank holds the same model."""
+    start = _mlp().state_dict()
+    for per_rank in results:
+        got = per_rank["compressed"][spec]
+        for key, value in got["flat"].items():
+            torch.testing.assert_close(got["2x2"][key], value, atol=1e-3, rtol=0, msg=key)
+        assert not torch.equal(got["2x2"]["0.weight"], start["0.weight"])
+    for per_rank in results[1:]:
+        for key, value in results[0]["compressed"][spec]["2x2"].items():
+            assert torch.equal(per_rank["compressed"][spec]["2x2"][key], value), (spec, key)
