@@ -42,15 +42,21 @@ from __future__ import annotations
 
 import datetime
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from syncline.comm.collectives import FlatAllreduce, Pending
-from syncline.comm.groups import Group, backend_name, group_rank, is_initialized
-from syncline.comm.topology import Topology, hierarchical_allreduce_bytes, ring_allreduce_bytes
+from syncline.comm.groups import Group, backend_name, group_rank, group_ranks, is_initialized
+from syncline.comm.topology import (
+    Ranks,
+    Topology,
+    hierarchical_allreduce_bytes,
+    ring_allreduce_bytes,
+    subgroup_topology,
+)
 from syncline.errors import CommError, ConfigError
 
 
@@ -89,13 +95,28 @@ class HierarchicalAllreduce:
         >>> model = DataParallel(net, allreduce=HierarchicalAllreduce(topo).build())
     """
 
-    def __init__(self, topology: Topology, *, timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        *,
+        timeout_s: float = 300.0,
+        group: Group = None,
+        partition: Sequence[Ranks] | None = None,
+        node_size: int | None = None,
+    ) -> None:
         if not isinstance(topology, Topology):
             raise ConfigError(f"topology={topology!r} must be a Topology")
         if not timeout_s > 0:
             raise ConfigError(f"timeout_s={timeout_s} must be > 0")
         self._topology = topology
         self._timeout_s = float(timeout_s)
+        # a subgroup (a pipeline stage's replicas): one block of ``partition``, the groups
+        # that split the world, every one laid out over nodes of ``node_size`` ranks
+        self._group = group
+        self._partition = None if partition is None else [tuple(p) for p in partition]
+        self._node_size = node_size
+        if (partition is None) != (node_size is None):
+            raise ConfigError("HierarchicalAllreduce: partition and node_size go together")
         self._flat: FlatAllreduce | None = None
         self._intra: Group = None
         self._inter: Group = None
@@ -112,7 +133,7 @@ class HierarchicalAllreduce:
     # -- protocol -----------------------------------------------------------------------
     @property
     def rank(self) -> int:
-        return group_rank()
+        return group_rank(self._group)
 
     @property
     def world_size(self) -> int:
@@ -144,20 +165,40 @@ class HierarchicalAllreduce:
         topo = self._topology
         if not is_initialized():
             raise CommError("HierarchicalAllreduce.build(): torch.distributed is not initialized")
-        world = dist.get_world_size()
+        world = len(group_ranks(self._group))
         if world != topo.world_size:
             raise ConfigError(
                 f"HierarchicalAllreduce: {topo} does not match the running group of "
                 f"world_size={world}"
             )
+        rank = dist.get_rank()
+        blocks = self._partition or [tuple(range(world))]
+        layouts = [(b, self._layout(b)) for b in blocks]
+        # every rank creates every block's groups, in one order (new_group is collective)
+        self._intra = self._make_phase("intra", layouts, rank)
+        self._inter = self._make_phase("inter", layouts, rank)
+        self._gather = self._make_phase("gather", layouts, rank)
         if not self.is_flat:
-            rank = dist.get_rank()
-            self._intra = self._new_groups(topo.intra_groups(), rank)
-            self._inter = self._new_groups(topo.inter_groups(), rank)
-            self._gather = self._new_groups(topo.intra_groups(), rank)
             self._scatter_as_allreduce = backend_name(self._intra) == "gloo"
-        self._flat = FlatAllreduce(None, timeout_s=self._timeout_s)
+        self._flat = FlatAllreduce(self._group, timeout_s=self._timeout_s)
         return self
+
+    def _layout(self, block: Ranks) -> Topology:
+        """A block's topology, numbered by its group ranks."""
+        if self._partition is None or self._node_size is None:
+            return self._topology
+        return subgroup_topology(block, self._node_size)
+
+    def _make_phase(self, phase: str, layouts: list[tuple[Ranks, Topology]], rank: int) -> Group:
+        mine: Group = None
+        for block, topo in layouts:
+            if topo.num_nodes == 1 or topo.ranks_per_node == 1:
+                continue  # flat: no groups of its own
+            sets = topo.inter_groups() if phase == "inter" else topo.intra_groups()
+            got = self._new_groups(tuple(tuple(block[i] for i in g) for g in sets), rank)
+            if rank in block:
+                mine = got
+        return mine
 
     def _new_groups(self, groups: tuple[tuple[int, ...], ...], rank: int) -> Group:
         timeout = datetime.timedelta(seconds=self._timeout_s)
@@ -220,7 +261,7 @@ class HierarchicalAllreduce:
             works=[],
             what=what,
             timeout_s=self._timeout_s,
-            rank=self.rank,
+            rank=group_rank(),
             then=lambda: self._finish(job),
             wire_bytes=nbytes,  # payload, as every Collective reports; the split is above
         )
@@ -244,9 +285,9 @@ class HierarchicalAllreduce:
         try:
             work = launch()
         except RuntimeError as exc:
-            raise CommError(f"rank {self.rank}: {job.what} could not start: {exc}") from exc
+            raise CommError(f"rank {group_rank()}: {job.what} could not start: {exc}") from exc
         if work is None:  # only when this rank is not in the group: a build() bug
-            raise CommError(f"rank {self.rank}: {job.what} got no work handle")
+            raise CommError(f"rank {group_rank()}: {job.what} got no work handle")
         job.works = [work]
 
     def _launch_inter(self, job: _Job) -> Callable[[], dist.Work | None]:
@@ -259,7 +300,7 @@ class HierarchicalAllreduce:
 
     def _wait(self, job: _Job) -> None:
         phase = _PHASES[job.phase]
-        Pending(job.works, f"{job.what} ({phase})", self._timeout_s, self.rank).wait()
+        Pending(job.works, f"{job.what} ({phase})", self._timeout_s, group_rank()).wait()
 
     def _advance(self, job: _Job) -> None:
         """Phase ``job.phase`` is complete: start the next one, or finish the job."""
@@ -328,19 +369,34 @@ __all__ = ["HierarchicalAllreduce"]
 def build_hierarchical(
     group: Group, timeout_s: float, ranks_per_node: int | None
 ) -> HierarchicalAllreduce:
-    """The ``hierarchical`` entry of :data:`syncline.comm.registry.ALLREDUCE`.
+    """The ``hierarchical`` entry of :data:`syncline.comm.registry.ALLREDUCE`: over the
+    world, or over ``group`` when the groups the ranks pass split the world (a pipeline
+    stage's replicas: every rank calls this at the same point with its own group; the
+    groups are gathered so that every rank creates every group's phase groups).
 
     Raises:
-        ConfigError: a subgroup (the algorithm spans the default group) or no node size.
+        ConfigError: no node size, groups that overlap, or a group spread unevenly on the
+            nodes (naming it).
     """
-    if group is not None:
-        raise ConfigError(
-            "allreduce='hierarchical' spans the default group; valid: group=None "
-            "(use 'flat' for a subgroup)"
-        )
     if ranks_per_node is None:
         raise ConfigError(
             "allreduce='hierarchical' needs ranks_per_node (torchrun's LOCAL_WORLD_SIZE)"
         )
-    topology = Topology(dist.get_world_size(), ranks_per_node)
-    return HierarchicalAllreduce(topology, timeout_s=timeout_s).build()
+    if group is None:
+        topology = Topology(dist.get_world_size(), ranks_per_node)
+        return HierarchicalAllreduce(topology, timeout_s=timeout_s).build()
+    members = group_ranks(group)
+    every: list[Ranks] = [() for _ in range(dist.get_world_size())]
+    dist.all_gather_object(every, tuple(members))
+    blocks = sorted(set(every))
+    if sorted(r for b in blocks for r in b) != list(range(dist.get_world_size())):
+        raise ConfigError(
+            f"allreduce='hierarchical' over subgroups: the groups {blocks} do not split the "
+            "world into disjoint groups; valid: one group per rank, each rank in one"
+        )
+    for block in blocks:
+        subgroup_topology(block, ranks_per_node)  # every rank raises alike, before any group
+    return HierarchicalAllreduce(
+        subgroup_topology(members, ranks_per_node), timeout_s=timeout_s, group=group,
+        partition=blocks, node_size=ranks_per_node,
+    ).build()  # fmt: skip

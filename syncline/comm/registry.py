@@ -57,6 +57,5 @@ ALLREDUCE.register(
         "hierarchical",
         "reduce-scatter in each node, allreduce across nodes, allgather in each node",
         "syncline.comm.hierarchical:build_hierarchical",
-        with_pipelines=False,
     )
 )

@@ -339,3 +339,27 @@ __all__ = [
     "ring_allreduce_bytes",
     "ring_allreduce_time",
 ]
+
+
+def subgroup_topology(members: Ranks, ranks_per_node: int) -> Topology:
+    """The layout of a subgroup's ``members`` (global ranks, in group order) over nodes of
+    ``ranks_per_node`` consecutive global ranks, numbered by group rank: what a hierarchical
+    allreduce over that subgroup runs on (a pipeline stage's replicas that span nodes).
+
+    Raises:
+        ConfigError: the members are not in increasing order, or the nodes hold different
+            numbers of them (no hierarchical layout; the flat ring is the valid choice).
+    """
+    if list(members) != sorted(set(members)) or not members:
+        raise ConfigError(f"subgroup ranks {list(members)}: valid: increasing global ranks")
+    per_node: dict[int, int] = {}
+    for r in members:
+        per_node[r // ranks_per_node] = per_node.get(r // ranks_per_node, 0) + 1
+    counts = sorted(set(per_node.values()))
+    if len(counts) > 1:
+        raise ConfigError(
+            f"subgroup ranks {list(members)} sit unevenly on nodes of {ranks_per_node} "
+            f"(members per node: {per_node}); a hierarchical allreduce needs the same "
+            "number on every node: valid: allreduce='flat' for this group"
+        )
+    return Topology(len(members), counts[0])

@@ -78,6 +78,7 @@ class BucketedReduce:
     ) -> None:  # fmt: skip
         self.stage, self._d, self._cap = stage, num_stages, cap_bytes
         self._compression, self._comm = compression, comm
+        self._poll: Callable[[], None] | None = getattr(comm, "poll", None)
         self._plan: list[list[int]] | None = None
         self._bucket_of: list[int] = []
         self._buffers: dict[int, torch.Tensor] = {}
@@ -120,6 +121,8 @@ class BucketedReduce:
 
     def _hook(self, armed: _Armed, i: int) -> Callable[[torch.Tensor], None]:
         def final(_tensor: torch.Tensor) -> None:
+            if self._poll is not None:  # a phased collective (hierarchical) moves on
+                self._poll()
             k = self._bucket_of[i]
             armed.remaining[k] -= 1
             while (

@@ -94,6 +94,8 @@ class StageReplicas:
         num_stages: the pipeline's depth (numbers the compressor's buckets).
         bucket_cap_mb: about how much of a stage's gradient one bucket holds (``0``: one
             bucket per stage).
+        allreduce: the REDUCE's collective over ``group`` (e.g. a hierarchical one, for
+            replicas on several nodes); default: a flat ring.
     """
 
     def __init__(
@@ -104,6 +106,7 @@ class StageReplicas:
         *,
         num_stages: int = 1,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        allreduce: comm.Collective | None = None,
     ) -> None:
         self.group = group
         self.compression = compression
@@ -111,6 +114,8 @@ class StageReplicas:
         self._me = comm.global_rank()
         self._timeout_s = timeout_s
         self._comm = comm.FlatAllreduce(group, timeout_s=timeout_s)
+        #: the REDUCE's collective (the loss average and the checks keep the flat ring)
+        self._reduce_comm = allreduce if allreduce is not None else self._comm
         self._num_stages = num_stages
         self._cap_bytes = int(bucket_cap_mb * 2**20)
         self._reducers: dict[int, BucketedReduce] = {}
@@ -181,7 +186,7 @@ class StageReplicas:
         reducer = self._reducers.get(stage)
         if reducer is None:
             reducer = BucketedReduce(
-                stage, self._num_stages, self._cap_bytes, self.compression, self._comm
+                stage, self._num_stages, self._cap_bytes, self.compression, self._reduce_comm
             )
             self._reducers[stage] = reducer
         return reducer

@@ -119,6 +119,9 @@ class Pipeline(ActionHandlers, PipelineReports):
         reduce_bucket_mb: the REDUCE's bucket size in MiB (``0``: one bucket per stage); each
             bucket starts inside the batch's last backward of its stage, once its gradients
             are final (:mod:`syncline.pipeline.reduce_buckets`).
+        replica_allreduce: the REDUCE's collective over ``data_parallel_group`` (default a
+            flat ring), e.g. ``build_allreduce("hierarchical", dp_group, timeout_s=...,
+            ranks_per_node=k)`` when a stage's replicas span nodes.
         timeout_s: the longest any wait on another rank may take.
         device: where the stage runs; default: where the module's parameters are.
         init: ``init(index, layer)`` for a model built on the meta device: each rank
@@ -174,6 +177,7 @@ class Pipeline(ActionHandlers, PipelineReports):
         split_points: Sequence[str] | None = None,
         precision: str = "fp32",
         reduce_bucket_mb: float = 4.0,
+        replica_allreduce: comm.Collective | None = None,
     ) -> None:
         config = PipelineConfig(
             num_stages=num_stages,
@@ -207,7 +211,8 @@ class Pipeline(ActionHandlers, PipelineReports):
         self._timeout_s = float(timeout_s)
         self._replicas = (
             StageReplicas(data_parallel_group, self._compression, self._timeout_s,
-                          num_stages=num_stages, bucket_cap_mb=reduce_bucket_mb)
+                          num_stages=num_stages, bucket_cap_mb=reduce_bucket_mb,
+                          allreduce=replica_allreduce)
             if width > 1
             else None
         )  # fmt: skip

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import os
 import resource
 import time
 from collections.abc import Iterator
@@ -25,6 +26,8 @@ import torch
 from torch import nn
 
 from syncline import comm
+from syncline.comm.registry import build_allreduce
+from syncline.comm.topology import Topology
 from syncline.data import ShardedBatches
 from syncline.data.user import KeywordInputs
 from syncline.dp.compressors import build_compressor
@@ -93,6 +96,14 @@ def build_pipeline(
         set_lr([opt], first_lr)  # the stages are built in the first step when profiling
         return opt
 
+    replica_allreduce = None
+    if cfg.allreduce != "flat" and data_parallel_group is not None:  # collective: every rank
+        world = comm.group_size()
+        per_node = cfg.ranks_per_node or os.environ.get("LOCAL_WORLD_SIZE", str(world))
+        replica_allreduce = build_allreduce(
+            cfg.allreduce, data_parallel_group, timeout_s=cfg.timeout_s,
+            ranks_per_node=Topology.from_env_values(world, per_node).ranks_per_node,
+        )  # fmt: skip
     assert cfg.schedule is not None and cfg.microbatches is not None
     return Pipeline(
         model,
@@ -113,6 +124,7 @@ def build_pipeline(
         init=layer_init_for(cfg),
         seed=cfg.seed,
         precision=cfg.precision,
+        replica_allreduce=replica_allreduce,
     )
 
 

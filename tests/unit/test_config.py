@@ -107,7 +107,6 @@ PIPELINE_ERRORS = [
     ({**PIPE, "balance": (6,)}, "balance=[6] has 1 stages; valid: 2 entries"),
     ({**PIPE, "balance": (0, 6)}, "balance=[0, 6] is invalid"),
     ({**PIPE, "compression": "fp16"}, "compression='fp16' compresses the gradient allreduce"),
-    ({**PIPE, "allreduce": "hierarchical"}, "allreduce='hierarchical' does not combine"),
     ({"schedule": "gpipe"}, "need pipeline_stages > 1 (got pipeline_stages=1)"),
     ({"microbatches": 4}, "need pipeline_stages > 1"),
     ({"recompute": True}, "need pipeline_stages > 1"),
@@ -120,6 +119,11 @@ PIPELINE_ERRORS = [
 def test_pipeline_config_errors(kwargs, match) -> None:
     with pytest.raises(ConfigError, match=re.escape(match)):
         TrainConfig(**kwargs)
+
+
+def test_hierarchical_allreduce_combines_with_pipeline_replicas() -> None:
+    cfg = TrainConfig(**{**PIPE, "nproc_per_node": 4, "allreduce": "hierarchical"})
+    assert cfg.allreduce == "hierarchical" and cfg.pipeline_replicas == 2
 
 
 def test_pipeline_defaults_resolve_on_creation_and_round_trip_through_json() -> None:
