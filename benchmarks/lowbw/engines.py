@@ -23,8 +23,11 @@ from syncline.dp.compressors import chunks as ch
 from syncline.models import build_model, lm_loss
 
 SYNCLINE_CONFIGS = ("none", "fp16", "bf16", "csc", "topk", "powersgd")
+#: the compute-only bound: the same model and steps with no synchronisation at all
+#: (DataParallel under ``no_sync()``: nothing on the wire); not a way to train
+BOUND = "nosync"
 DDP_CONFIGS = ("ddp", "ddp-fp16", "ddp-powersgd")
-CONFIGS = SYNCLINE_CONFIGS + DDP_CONFIGS
+CONFIGS = SYNCLINE_CONFIGS + DDP_CONFIGS + (BOUND,)
 
 WireBytes = Callable[[int], int]
 
@@ -86,6 +89,9 @@ def build_engine(name: str, model: Any, s: dict[str, Any]) -> tuple[Any, WireByt
         return _ddp_engine(name, model, s)
     warm = s["warmup_steps"]
     info: dict[str, Any] = {}
+    if name == BOUND:
+        dp = DataParallel(model, bucket_cap_mb=s["bucket_cap_mb"])
+        return dp, lambda step: 0, {"no_sync": True}
     comp = {
         "none": lambda: NoCompression(),
         "fp16": lambda: FP16(),
@@ -151,8 +157,13 @@ def train_step(run: Run) -> tuple[float, int]:
     step = run.step
     x, y = run.batches.batch(step)
     run.opt.zero_grad(set_to_none=True)
-    loss = lm_loss(run.engine(x), y)
-    loss.backward()
+    if run.info.get("no_sync"):
+        with run.engine.no_sync():
+            loss = lm_loss(run.engine(x), y)
+            loss.backward()
+    else:
+        loss = lm_loss(run.engine(x), y)
+        loss.backward()
     run.opt.step()
     run.step = step + 1
     return loss.item(), run.wire(step)

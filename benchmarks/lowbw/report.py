@@ -103,6 +103,12 @@ def ratios(summ: dict[str, dict[str, Any]]) -> dict[str, Any]:
             name: ratio(get(name, "samples_per_s_median"), get("ddp", "samples_per_s_median"))
             for name in summ
         },
+        # issue 16: each configuration's samples/s as a fraction of the compute-only bound
+        # (the same model and steps under no_sync(), measured in the same run)
+        "fraction_of_compute_bound": {
+            name: ratio(get(name, "samples_per_s_median"), get("nosync", "samples_per_s_median"))
+            for name in summ
+        },
         "wire_bytes_per_step_over_ddp": {
             name: ratio(
                 get(name, "wire_bytes_per_step_median"), get("ddp", "wire_bytes_per_step_median")
