@@ -1,4 +1,4 @@
-"""PURE: the files behind ``--data text:PATH`` and ``--data images:PATH``, listed and checked.
+"""PURE: the files behind ``--data text:PATH``, ``tokens:TOKENIZER:PATH``, ``images:PATH``.
 
 Listing is deterministic (sorted names, hidden entries skipped), so every rank, and a resumed
 run, reads the same samples in the same order. The checks run in the command's process
@@ -17,10 +17,12 @@ __all__ = [
     "IMAGE_EXTENSIONS",
     "check_images",
     "check_text",
+    "check_tokens",
     "heldout_per_class",
     "image_samples",
     "read_text",
     "text_files",
+    "tokens_argument",
 ]
 
 #: torchvision's ``ImageFolder`` extensions; other files in a class folder are ignored, as
@@ -174,3 +176,31 @@ def check_images(path: str, seq_len: int, val_fraction: float) -> None:
             ) from None
     heldout_per_class([sum(1 for _, c in samples if c == i) for i in range(len(classes))],
                       val_fraction)  # fmt: skip
+
+
+def tokens_argument(argument: str) -> tuple[Path, str]:
+    """``TOKENIZER:PATH`` of ``--data tokens:TOKENIZER:PATH``: the tokenizer's file (a
+    ``tokenizers`` JSON, e.g. a HuggingFace ``tokenizer.json``) and the text's path.
+
+    Raises:
+        ConfigError: no ``:`` between them, or the tokenizer file does not exist.
+    """
+    tokenizer, sep, path = argument.partition(":")
+    if not sep or not tokenizer or not path:
+        raise ConfigError(
+            f"data='tokens:{argument}': valid: tokens:TOKENIZER:PATH, a tokenizer.json file "
+            "and a text file or folder"
+        )
+    if not Path(tokenizer).is_file():
+        raise ConfigError(
+            f"data='tokens:{argument}': tokenizer {tokenizer!r} is not a file; valid: a "
+            "tokenizers JSON file (e.g. a HuggingFace tokenizer.json)"
+        )
+    return Path(tokenizer), path
+
+
+def check_tokens(argument: str, seq_len: int, val_fraction: float) -> None:
+    """``tokens:TOKENIZER:PATH``: the tokenizer file exists and ``PATH`` passes
+    :func:`check_text` (the token count, smaller, is checked when the text is tokenized)."""
+    _, path = tokens_argument(argument)
+    check_text(path, seq_len, val_fraction)

@@ -12,13 +12,21 @@ files beforehand for another size.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from syncline.data.files import heldout_per_class, image_samples, read_text
+from syncline.data.files import (
+    heldout_per_class,
+    image_samples,
+    read_text,
+    text_files,
+    tokens_argument,
+)
 from syncline.data.text import ByteDataset
 from syncline.errors import ConfigError
 
-__all__ = ["ImageFolderDataset", "image_folder", "text_folder"]
+__all__ = ["ImageFolderDataset", "TokenizedText", "image_folder", "text_folder", "token_folder"]
 
 
 def text_folder(seq_len: int, seed: int, path: str) -> tuple[ByteDataset, int]:
@@ -26,6 +34,66 @@ def text_folder(seq_len: int, seed: int, path: str) -> tuple[ByteDataset, int]:
     sorted order (next-byte targets); the held-out part is the end of that stream."""
     del seed
     return ByteDataset(read_text(path), seq_len), seq_len
+
+
+class TokenizedText(ByteDataset):
+    """Windows of ``seq_len`` token ids (next-token targets) that can say them as text."""
+
+    def __init__(self, ids: torch.Tensor, seq_len: int, tokenizer: Any) -> None:
+        super().__init__(ids, seq_len)
+        self.tokenizer = tokenizer
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids`` (what ``--sample-tokens`` prints)."""
+        return str(self.tokenizer.decode(ids))
+
+    def split(self, val_fraction: float) -> tuple[TokenizedText, TokenizedText]:
+        """As :meth:`ByteDataset.split`, both parts keeping the tokenizer."""
+        train, val = super().split(val_fraction)
+        return (
+            TokenizedText(train.data, self.block_size, self.tokenizer),
+            TokenizedText(val.data, self.block_size, self.tokenizer),
+        )
+
+
+def token_folder(seq_len: int, seed: int, argument: str) -> tuple[TokenizedText, int]:
+    """``tokens:TOKENIZER:PATH``: the files of ``PATH`` (as for ``text:``) encoded file by
+    file with the ``tokenizers`` JSON ``TOKENIZER`` (UTF-8, undecodable bytes replaced), their
+    ids concatenated; windows of ``seq_len`` tokens. The model's vocabulary must cover the
+    tokenizer's (``syncline train`` checks a ``vocab_size`` option before launch)."""
+    del seed
+    tokenizer = load_tokenizer(argument)
+    ids: list[int] = []
+    for file in text_files(tokens_argument(argument)[1]):
+        ids.extend(tokenizer.encode(file.read_bytes().decode("utf-8", "replace")).ids)
+    if len(ids) <= seq_len:
+        raise ConfigError(
+            f"data='tokens:{argument}' holds {len(ids)} tokens; valid: more than "
+            f"seq_len={seq_len} (more text, or a smaller --seq-len)"
+        )
+    return TokenizedText(torch.tensor(ids, dtype=torch.int32), seq_len, tokenizer), seq_len
+
+
+def load_tokenizer(argument: str) -> Any:
+    """The ``tokenizers`` tokenizer of ``tokens:TOKENIZER:PATH``.
+
+    Raises:
+        ConfigError: the ``tokenizers`` package is missing or cannot read the file.
+    """
+    path, _ = tokens_argument(argument)
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ConfigError(
+            "data='tokens:...' needs the tokenizers package (pip install tokenizers)"
+        ) from None
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # the Rust side raises its own exception types
+        raise ConfigError(
+            f"data='tokens:{argument}': cannot read tokenizer {str(path)!r} ({exc}); valid: a "
+            "tokenizers JSON file (e.g. a HuggingFace tokenizer.json)"
+        ) from None
 
 
 class ImageFolderDataset:

@@ -183,6 +183,15 @@ DATASETS.register(
 )
 DATASETS.register(
     DatasetSpec(
+        "tokens",
+        "a text file or folder as token ids of a tokenizers JSON (e.g. HF tokenizer.json)",
+        "syncline.data.folders:token_folder",
+        argument="TOKENIZER:PATH",
+        check="syncline.data.files:check_tokens",
+    )
+)
+DATASETS.register(
+    DatasetSpec(
         "images",
         "a folder of class sub-folders of images, as torchvision's ImageFolder",
         "syncline.data.folders:image_folder",

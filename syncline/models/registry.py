@@ -204,7 +204,7 @@ MODELS.register(
         GPTConfig,
         build="syncline.models.gpt:build_gpt",
         loss="syncline.models.gpt:lm_loss",
-        datasets=("stdlib", "text"),
+        datasets=("stdlib", "text", "tokens"),
         num_layers=lambda c: c.n_layer + 2,
         describe_layers=lambda c: f"embedding + n_layer={c.n_layer} blocks + head",
         flags={"n_layer": "--n-layer", "n_embd": "--n-embd", "n_head": "--n-head"},

@@ -9,6 +9,7 @@ module, or split points that name no module end the command with one line.
 from __future__ import annotations
 
 from syncline.data.registry import check_data
+from syncline.errors import ConfigError
 from syncline.models.factory import FactoryCall
 from syncline.train.config import TrainConfig
 
@@ -24,6 +25,18 @@ def preflight(cfg: TrainConfig) -> None:
     """
     check_data(cfg.dataset, cfg.seq_len, cfg.val_fraction)
     call = cfg.model_config()
+    if cfg.dataset.startswith("tokens:"):  # the model's embedding must cover every id
+        from syncline.data.folders import load_tokenizer
+
+        size = load_tokenizer(cfg.dataset.removeprefix("tokens:")).get_vocab_size()
+        vocab = getattr(call, "vocab_size", None)  # a factory's: only if given as an option
+        if isinstance(call, FactoryCall):
+            vocab = call.options.get("vocab_size")
+        if isinstance(vocab, int) and vocab < size:
+            raise ConfigError(
+                f"data={cfg.dataset!r}: the tokenizer has {size} token ids but the model's "
+                f"vocab_size is {vocab}; valid: --model-option vocab_size={size} (or more)"
+            )
     if isinstance(call, FactoryCall):  # nothing is known of a factory's model until built
         from syncline.models.user import check_user_model
 

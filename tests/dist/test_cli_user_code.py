@@ -77,3 +77,46 @@ def test_factory_pair_on_an_image_folder_as_a_two_stage_pipeline(user_dir) -> No
     state = load_checkpoint(user_dir / "pp" / "checkpoint.pt")["model"]
     assert set(state) == {"stem.0.weight", "stem.0.bias", "body.2.weight", "body.2.bias"}
     assert state["body.2.weight"].shape == (3, 32) and torch.isfinite(state["stem.0.weight"]).all()
+
+
+def _tokenizer(folder: Path, corpus: Path) -> tuple[Path, int]:
+    """A small BPE tokenizer trained on the corpus here (nothing downloaded), saved as the
+    ``tokenizer.json`` a HuggingFace model ships with."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(  # GPT-2's way: all 256 bytes, then merges: > 256 ids
+        vocab_size=320, special_tokens=["[UNK]"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    tok.train([str(p) for p in sorted(corpus.rglob("*")) if p.is_file()], trainer)
+    path = folder / "tokenizer.json"
+    tok.save(str(path))
+    return path, tok.get_vocab_size()
+
+
+def test_tokenizer_level_text_trains_and_its_sample_reads_as_text(user_dir) -> None:
+    """``--data tokens:TOKENIZER:PATH``: the built-in GPT on BPE ids; a vocabulary smaller
+    than the tokenizer's is refused before launch, naming the option that fixes it."""
+    corpus = write_text_folder(user_dir / "corpus")
+    tok, vocab = _tokenizer(user_dir, corpus)
+    data = f"tokens:{tok.name}:corpus"
+    small = subprocess.run(
+        [sys.executable, "-m", "syncline.cli.main", "train", "--data", data, "--steps", "1"],
+        capture_output=True, text=True, timeout=120, cwd=user_dir,
+    )  # fmt: skip
+    assert small.returncode == 2, small.stderr[-2000:]
+    assert f"--model-option vocab_size={vocab}" in small.stderr
+    summary, records = _train(
+        user_dir, "bpe", "--data", data, "--model-option", f"vocab_size={vocab}",
+        "--n-layer", "1", "--n-embd", "32", "--seq-len", "16", "--steps", "9", "--lr", "0.01",
+        "--sample-tokens", "12",
+    )  # fmt: skip
+    assert summary["data"] == data and summary["final_loss"] < summary["first_loss"]
+    validated = [r["val_loss"] for r in records if r.get("val_loss") is not None]
+    assert validated[-1] < validated[0]
+    assert vocab > 256  # so the built-in GPT's default (bytes) was too small
+    sample = (user_dir / "bpe" / "sample.txt").read_text()
+    assert sample.strip() and "\u0120" not in sample  # decoded text, not BPE symbols
