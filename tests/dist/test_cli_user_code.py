@@ -21,6 +21,7 @@ from syncline.train.checkpoint import load_checkpoint
 from tests.zoo.user_code import MODULE, write_image_folder, write_module, write_text_folder
 
 COMMON = ["--batch-size", "8", "--log-every", "2", "--eval-every", "4", "--warmup-steps", "0"]
+COMMON += ["--sample-tokens", "0"]  # a test that wants the sample asks again, later
 
 
 def _train(cwd: Path, run: str, *args: str) -> tuple[dict, list[dict]]:
