@@ -61,6 +61,10 @@ from syncline.train.config import TrainConfig
 MODELS = {
     "gpt": TrainConfig(model="gpt", batch_size=32),
     "cnn": TrainConfig(model="cnn", batch_size=128),
+    # the held-out-like shape issue 16 asks to report: 8 blocks of width 256
+    "gpt8x256": TrainConfig(
+        model="gpt", batch_size=32, model_options={"n_layer": 8, "n_embd": 256, "n_head": 4}
+    ),
 }
 ENGINES = ("syncline", "ddp")
 MIN_PAIRS = 5  # for the medians and quartiles

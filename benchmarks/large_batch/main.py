@@ -64,6 +64,11 @@ def _run(model: str, name: str, batch: int, steps: int, recipe: dict[str, Any],
     args += [f"--lr-scaling={recipe.get('scaling', 'none')}", f"--seed={a.seed}"]
     args += [f"--eval-every={max(1, steps // 8)}", "--checkpoint-every=0"]
     args += [f"--log-every={max(1, steps // 20)}", f"--run-dir={run_dir}"]
+    key = [x for x in args if not x.startswith("--run-dir=")]
+    for old in a.reused:
+        if [x for x in old.get("args", []) if not x.startswith("--run-dir=")] == key:
+            print(f"  {model} {name:6s} batch {batch:5d}: reused from {a.reuse}", flush=True)
+            return dict(old, reused_from=str(a.reuse))
     cmd = [sys.executable, "-m", "syncline.cli.main", "train", *args]
     t0 = time.perf_counter()
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False)
@@ -88,6 +93,17 @@ def _run(model: str, name: str, batch: int, steps: int, recipe: dict[str, Any],
         "wall_s": wall,
         "val_curve": {"samples": curve, "val_loss": vals},
     }
+
+
+def _earlier_runs(path: Path) -> list[dict[str, Any]]:
+    """Every run recorded in an earlier result (the chosen ones and every sweep point)."""
+    old = json.loads(path.read_text())
+    runs: list[dict[str, Any]] = []
+    for model in old.get("models", {}).values():
+        runs += [r for r in model.get("runs", {}).values() if "final_val_loss" in r]
+        for tried in model.get("sweep", {}).values():
+            runs += [r for r in tried if "final_val_loss" in r]
+    return runs
 
 
 def _plot(result: dict[str, Any], path: Path) -> None:
@@ -124,7 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recipe-lrs", default=None, help="recipe base lrs to try, e.g. 0.01,0.02")
     ap.add_argument("--work", type=Path, default=Path("runs/bench-large-batch"))
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--reuse", type=Path, default=None,
+        help="an earlier result JSON: a run with the same arguments (all but --run-dir) is "
+        "taken from it instead of trained again, and marked reused_from",
+    )  # fmt: skip
     a = ap.parse_args(argv)
+    a.reused = _earlier_runs(a.reuse) if a.reuse else []
     factors = [int(f) for f in a.factors.split(",")]
     result: dict[str, Any] = {"base_batch": a.base_batch, "base_steps": a.base_steps,
                               "warmup_fraction": a.warmup_fraction, "models": {}}  # fmt: skip

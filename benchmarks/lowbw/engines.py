@@ -152,6 +152,14 @@ def setup(rank: int, world: int, s: dict[str, Any], name: str) -> Run:
     return Run(engine, wire, info, opt, batches, n_params, momentum)
 
 
+def exposed_comm_s(run: Run) -> float | None:
+    """Seconds the last step waited for communication after backward (DataParallel's
+    ``last_stats``); None for DDP, which does not report it, and for the no-sync bound."""
+    if run.info.get("no_sync") or not isinstance(run.engine, DataParallel):
+        return None
+    return float(run.engine.last_stats.exposed_comm_s)
+
+
 def train_step(run: Run) -> tuple[float, int]:
     """One training step; returns (local loss, wire bytes this rank sent)."""
     step = run.step

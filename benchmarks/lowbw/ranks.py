@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.lowbw.engines import setup, train_step
+from benchmarks.lowbw.engines import exposed_comm_s, setup, train_step
 from syncline import comm
 from syncline.comm import FlatAllreduce
 from syncline.testing.bench import abba, rotated
@@ -30,6 +30,7 @@ def train(rank: int, world: int, s: dict[str, Any], names: list[str]) -> dict[st
     seconds: dict[str, list[float]] = {name: [] for name in names}
     losses: dict[str, list[float]] = {name: [] for name in names}
     wire: dict[str, list[int]] = {name: [] for name in names}
+    exposed: dict[str, list[float | None]] = {name: [] for name in names}
     for step in range(s["steps"]):
         for name in rotated(names, step):
             comm.barrier(what=f"{name} step {step}")
@@ -38,6 +39,7 @@ def train(rank: int, world: int, s: dict[str, Any], names: list[str]) -> dict[st
             seconds[name].append(time.perf_counter() - t0)
             losses[name].append(loss)
             wire[name].append(nbytes)
+            exposed[name].append(exposed_comm_s(runs[name]))
     comm.barrier(what="end of training")
     return {
         name: {
@@ -48,6 +50,7 @@ def train(rank: int, world: int, s: dict[str, Any], names: list[str]) -> dict[st
             "times": list(itertools.accumulate(seconds[name])),
             "losses": losses[name],
             "wire_bytes": wire[name],
+            "exposed_comm_s": exposed[name],
         }
         for name, run in runs.items()
     }

@@ -42,9 +42,17 @@ def summarise(res: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
     tail = max(1, math.ceil(0.1 * n))
     smoothed = _smooth(losses, s["smooth"])
     finite = all(math.isfinite(x) for x in losses[-tail:])
+    exposed = [x for x in res.get("exposed_comm_s", [])[skip:] if x is not None]
+    breakdown = None
+    if exposed:  # per step: compute (with compression's local work) and exposed communication
+        step_s = statistics.median(steady)
+        exposed_s = statistics.median(exposed)
+        breakdown = {"step_s": step_s, "exposed_comm_s": exposed_s,
+                     "compute_s": step_s - exposed_s}  # fmt: skip
     return {
         "config": res["config"],
         "n_params": res["n_params"],
+        "breakdown_median": breakdown,
         "optimizer_momentum": res["optimizer_momentum"],
         "info": res["info"],
         "steps": n,
@@ -160,10 +168,17 @@ def print_probe(probe: dict[str, Any]) -> None:
 
 
 def print_progress(name: str, summ: dict[str, Any]) -> None:
+    b = summ.get("breakdown_median")
+    split = (
+        f"  step {b['step_s'] * 1e3:.1f} ms = compute {b['compute_s'] * 1e3:.1f}"
+        f" + exposed comm {b['exposed_comm_s'] * 1e3:.1f}"
+        if b
+        else ""
+    )
     print(
         f"[lowbw] {name:13s} {summ['samples_per_s_median']:7.2f} samples/s  "
         f"{summ['wire_bytes_per_step_median'] / 1e6:8.3f} MB/step  "
-        f"final loss {summ['final_loss']:.4f}",
+        f"final loss {summ['final_loss']:.4f}{split}",
         flush=True,
     )
 

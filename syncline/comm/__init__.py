@@ -20,6 +20,7 @@ if TYPE_CHECKING:
         broadcast_tensors_async,
         completed,
         gather_objects,
+        with_lane,
     )
     from syncline.comm.groups import (
         Group,
@@ -61,6 +62,7 @@ _EXPORTS = {
             "broadcast_tensors_async",
             "completed",
             "gather_objects",
+            "with_lane",
         ],
         "syncline.comm.collectives",
     ),
@@ -132,6 +134,7 @@ __all__ = [
     "is_member",
     "pipeline_grid",
     "ring_allreduce_time",
+    "with_lane",
 ]
 
 

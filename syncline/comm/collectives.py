@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from syncline.comm.groups import Group, global_rank, group_rank, group_size
+from syncline.comm.groups import Group, backend_name, global_rank, group_rank, group_size
 from syncline.errors import CommError, CommTimeout
 
 
@@ -34,6 +34,8 @@ class Pending:
         wire_bytes: payload bytes this rank handed to the network for this operation (the
             compressed size for compressors), before the algorithm's own traffic factor
             (2(p-1)/p for a ring); the same measure for every Collective, so runs compare.
+        deps: other operations ``then`` waits for (a :func:`chain`'s parts), so that
+            :meth:`is_done` can answer without blocking.
     """
 
     works: list[dist.Work]
@@ -42,7 +44,20 @@ class Pending:
     rank: int
     then: Callable[[], None] | None = None
     wire_bytes: int = 0
+    deps: list[Pending] = field(default_factory=list)
     _done: bool = field(default=False, repr=False)
+
+    def is_done(self) -> bool:
+        """Whether :meth:`wait` would return at once: every work (and dependency) finished,
+        successfully or not (a failure is raised by :meth:`wait`). Never blocks.
+
+        Which ranks see an operation done at a given moment differs, so this may decide only
+        *when* a rank issues its next collective on a group, never *which* one (see
+        :class:`syncline.dp.compressors._pending.PhaseOrder`).
+        """
+        if self._done:
+            return True
+        return all(w.is_completed() for w in self.works) and all(d.is_done() for d in self.deps)
 
     def wait(self) -> None:
         if self._done:
@@ -95,11 +110,24 @@ class Collective(Protocol):
 
 
 class FlatAllreduce:
-    """One collective over the whole group: gloo's or NCCL's own ring/tree algorithm."""
+    """One collective over the whole group: gloo's or NCCL's own ring/tree algorithm.
 
-    def __init__(self, group: Group = None, *, timeout_s: float = 300.0) -> None:
+    Attributes:
+        lane: a second :class:`FlatAllreduce` over another process group of the same ranks,
+            or None. Collectives are matched by issue order *per group*, so a compressor
+            whose second collective depends on its first (CSC's payload on its scores) can
+            issue the second ones on the lane, in their own fixed order, as soon as each
+            first one is done, instead of at a point every rank reaches in step
+            (:class:`~syncline.dp.compressors._pending.PhaseOrder`). Made by
+            :func:`with_lane`.
+    """
+
+    def __init__(
+        self, group: Group = None, *, timeout_s: float = 300.0, lane: FlatAllreduce | None = None
+    ) -> None:
         self._group = group
         self._timeout_s = timeout_s
+        self.lane = lane
 
     @property
     def rank(self) -> int:
@@ -341,6 +369,27 @@ def allgather_objects(
     pending, out = FlatAllreduce(group, timeout_s=timeout_s).allgather(padded, what)
     pending.wait()
     return _loaded(out, sizes)
+
+
+def with_lane(flat: FlatAllreduce) -> FlatAllreduce:
+    """``flat`` with a :attr:`~FlatAllreduce.lane`: a new process group of the same ranks,
+    where that is safe; otherwise ``flat`` unchanged.
+
+    A collective call: every rank of the job enters it. Made only for the default group
+    (``dist.new_group`` must be entered by every rank of the job, which a wrapper over a
+    subgroup cannot promise) on gloo. NCCL is left without one: its kernels of two
+    communicators issued in different orders on different ranks can wait on each other on
+    the GPU, and NCCL asks for one issue order across communicators.
+    """
+    group = flat._group
+    if flat.lane is not None or flat.world_size == 1:
+        return flat
+    if group not in (None, dist.GroupMember.WORLD) or backend_name(group) != "gloo":
+        return flat
+    timeout = datetime.timedelta(seconds=flat.timeout_s)
+    lane_group = dist.new_group(list(range(dist.get_world_size())), timeout=timeout)
+    lane = FlatAllreduce(lane_group, timeout_s=flat.timeout_s)
+    return FlatAllreduce(group, timeout_s=flat.timeout_s, lane=lane)
 
 
 def build_flat(group: Group, timeout_s: float, ranks_per_node: int | None) -> FlatAllreduce:

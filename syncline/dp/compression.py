@@ -41,6 +41,12 @@ class Compressor(Protocol):
         name: the compressor's registry name (``syncline.dp.registry``).
         stateless: ``True`` when the compressor keeps no per-bucket state, so that the engine
             may re-cut the buckets (bucket autotuning); ``False`` keeps the first cut.
+
+    Optional, for a compressor whose second collective per bucket depends on its first (CSC,
+    PowerSGD): a class attribute ``wants_lane = True`` asks the engine for a collective with a
+    second process group (:attr:`syncline.comm.FlatAllreduce.lane`), and a ``poll()`` method,
+    which the engine calls from every gradient hook, issues the second collectives whose first
+    is done without blocking (:class:`~syncline.dp.compressors._pending.PhaseOrder`).
     """
 
     name: str

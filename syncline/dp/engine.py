@@ -187,6 +187,8 @@ class DataParallel(nn.Module):
         self.module = module
         self.process_group = process_group
         self._comm = _resolve_collective(allreduce, process_group, timeout_s)
+        if getattr(self._compressor, "wants_lane", False):  # see FlatAllreduce.lane
+            self._comm = _with_lane(self._comm)
         self._ignored = frozenset(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         if init_sync:  # first, so that a rank without trainable parameters fails on every rank
             check_same_on_all_ranks(
@@ -512,6 +514,11 @@ def _remove_handles(handles: list[Any]) -> None:
     for h in handles:
         h.remove()
     handles.clear()
+
+
+def _with_lane(collective: Any) -> Any:
+    """A flat collective with a second lane where one can be made (a collective call)."""
+    return comm.with_lane(collective) if isinstance(collective, comm.FlatAllreduce) else collective
 
 
 def _resolve_collective(allreduce: str | Collective, group: comm.Group, timeout_s: float) -> Any:

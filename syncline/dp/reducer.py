@@ -126,9 +126,11 @@ class Reducer:
         self.compressor = compressor
         self.dense = NoCompression()
         self.collective = collective
-        # a collective whose work runs in phases (hierarchical) advances them when polled;
-        # every gradient hook polls, so its later phases overlap the rest of backward
-        self._poll: Callable[[], None] | None = getattr(collective, "poll", None)
+        # a collective whose work runs in phases (hierarchical), or a compressor whose second
+        # collective waits on its first (CSC, PowerSGD over a lane), advances them when
+        # polled; every gradient hook polls, so later phases overlap the rest of backward
+        polls = [getattr(x, "poll", None) for x in (collective, compressor)]
+        self._polls: list[Callable[[], None]] = [f for f in polls if f is not None]
         self.group = group
         self.tuning = tuning
         self.sparse_names = [n for n, _ in sparse]
@@ -220,8 +222,8 @@ class Reducer:
         st.any_ready = True
         if st.steps_synced == 0 and self.config.rebuild_buckets:
             st.order_seen.append(i)  # only the first step's order is ever used
-        if self._poll is not None:
-            self._poll()
+        for poll in self._polls:
+            poll()
         b = self.buf.plan.bucket_of[i]
         st.remaining[b] -= 1
         if st.remaining[b] == 0:  # buckets launch in order: only a full one can start any

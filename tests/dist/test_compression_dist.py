@@ -346,3 +346,58 @@ def test_csc_keeps_and_later_applies_the_residual_of_a_parameter_no_rank_uses() 
             # dropped chunk would be off by the gradient itself (~0.1)
             torch.testing.assert_close(r["end"][name], want, atol=1e-3, rtol=2e-3)
             assert not torch.equal(r["end"][name], r["start"][name])
+
+
+LANE_SPECS = (f"csc:0.2:chunk={CHUNK}", "powersgd:2")
+
+
+def _lane_rank(rank: int, world: int) -> dict:
+    """Each two-phase compressor run twice on the same gradients: on one group (phase two
+    issued when every rank reaches the same point) and with a lane (phase two issued by
+    ``poll`` as soon as this rank sees phase one done, at a rank-dependent moment)."""
+    import time
+
+    from syncline.comm import with_lane
+
+    plain = FlatAllreduce(timeout_s=60.0)
+    laned = with_lane(FlatAllreduce(timeout_s=60.0))
+    out: dict = {"has_lane": laned.lane is not None}
+    for spec in LANE_SPECS:
+        for name, comm in (("plain", plain), ("laned", laned)):
+            comp = build_compressor(spec)
+            results, early_before_next = [], []
+            for step in range(1, STEPS + 1):
+                grads = [local_grad(rank, step, b) for b in range(len(SIZES))]
+                pendings = []
+                for b, g in enumerate(grads):
+                    before = comp._order.issued_by_poll
+                    pendings.append(comp.reduce(BucketRef(b, step, ((), ())[b]), g, comm))
+                    time.sleep(0.01 * (rank + 1))  # ranks reach their polls at other times
+                    deadline = time.monotonic() + 10.0
+                    while name == "laned" and comp._order.issued_by_poll == before:
+                        comp.poll()  # what the engine's gradient hooks do
+                        assert time.monotonic() < deadline, "phase two never issued by poll"
+                    early_before_next.append(comp._order.issued_by_poll)
+                for p in pendings:
+                    p.wait()
+                results.append([g.clone() for g in grads])
+            out[(spec, name)] = {"out": results, "early": early_before_next}
+    return out
+
+
+def test_a_second_lane_issues_phase_two_early_with_the_same_results_bit_for_bit() -> None:
+    """CSC's payload and PowerSGD's Q go on the lane the moment their phase one is done,
+    polled at different moments on each rank, and every result equals the one-group run's."""
+    results = run_ranks(_lane_rank, 2, timeout_s=120.0)
+    for res in results:
+        assert res["has_lane"]
+        for spec in LANE_SPECS:
+            plain, laned = res[(spec, "plain")], res[(spec, "laned")]
+            # every bucket's phase two was issued by a poll, before the next bucket started
+            assert laned["early"] == list(range(1, STEPS * len(SIZES) + 1))
+            for a, b in zip(plain["out"], laned["out"], strict=True):
+                for x, y in zip(a, b, strict=True):
+                    assert torch.equal(x, y), spec
+    for spec in LANE_SPECS:  # and the ranks agree
+        for x, y in zip(results[0][(spec, "laned")]["out"], results[1][(spec, "laned")]["out"]):
+            assert all(torch.equal(a, b) for a, b in zip(x, y, strict=True))

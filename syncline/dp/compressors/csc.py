@@ -108,6 +108,8 @@ class CSC:
 
     name = "csc"
     stateless = False  # residuals/factors per bucket: the buckets must not be re-cut
+    #: the payload depends on the scores: a second lane lets it start as they arrive
+    wants_lane = True
 
     def __init__(
         self,
@@ -161,7 +163,7 @@ class CSC:
             self._buckets[index] = state
         u, v = state["u"], state["v"]
         check_numel("CSC", index, u, grad.numel())
-        u.mul_(self.momentum).add_(grad)
+        u.mul_(self.momentum).add_(grad)  # as torch.optim.SGD's buffer, to the last bit
         v.add_(u)
         return u, v
 
@@ -201,13 +203,14 @@ class CSC:
             selected = torch.arange(n_chunks)
         else:
             first_part = ch.chunk_scores(v, chunk, normalise=True)
-        # max |v| without a |v| copy of the bucket (two reductions, no allocation)
-        bound = torch.maximum(v.max(), -v.min()).detach().reshape(1).float() / world
+        # max |v| without a |v| copy of the bucket (no allocation)
+        low, high = torch.aminmax(v.detach())  # one pass over the bucket
+        bound = torch.maximum(high, -low).reshape(1).float() / world
         head = torch.cat([first_part, bound])
         first = comm.allreduce(head, f"csc {'bound' if dense else 'scores'} of {where}")
         payload = torch.empty(0)
 
-        def launch_payload() -> Pending:
+        def launch_payload(lane: Collective) -> Pending:
             nonlocal selected, payload
             if not dense:
                 selected = ch.select_chunks(head[:-1], k)
@@ -224,7 +227,7 @@ class CSC:
             else:
                 ch.zero_chunks(u, selected, chunk)  # momentum factor masking
                 ch.put_chunks(v, selected, chunk, lost)
-            return comm.allreduce(payload, f"csc {'dense ' if dense else ''}payload of {where}")
+            return lane.allreduce(payload, f"csc {'dense ' if dense else ''}payload of {where}")
 
         def finish() -> None:
             if dense:
@@ -232,7 +235,11 @@ class CSC:
             else:
                 ch.unpack_chunks(payload, selected, chunk, grad)
 
-        return self._order.submit(first, launch_payload, finish, f"csc reduction of {where}")
+        return self._order.submit(first, launch_payload, finish, f"csc reduction of {where}", comm)
+
+    def poll(self) -> None:
+        """Issue the payloads whose scores are in (on the collective's lane; never blocks)."""
+        self._order.poll()
 
     def _dense_fp32(
         self, index: int, grad: torch.Tensor, v: torch.Tensor, n_chunks: int, comm: Collective,

@@ -180,6 +180,8 @@ class PowerSGD:
 
     name = "powersgd"
     stateless = False  # residuals/factors per bucket: the buckets must not be re-cut
+    #: Q depends on the allreduced P: a second lane lets it start as P arrives
+    wants_lane = True
 
     def __init__(
         self,
@@ -260,7 +262,7 @@ class PowerSGD:
         first = parts[0] if len(parts) == 1 else chain(parts, _nothing, f"powersgd {where}", comm)
         q_local = torch.empty_like(q)
 
-        def launch_q() -> Pending:
+        def launch_q(lane: Collective) -> Pending:
             for mt, m in mats:
                 pt, qt, m2 = _p(p, mt), _q(q_local, mt), m.view(mt.rows, mt.cols)
                 pt.copy_(torch.linalg.qr(pt.T, mode="reduced").Q.T)  # orthonormal P
@@ -268,7 +270,7 @@ class PowerSGD:
                 m2.addmm_(pt.T, qt, alpha=-1.0)  # residual = M - P Q_local^T, in place
             if work is not residual:
                 residual.copy_(work[:n])
-            return comm.allreduce(q_local, f"powersgd Q of {where}")
+            return lane.allreduce(q_local, f"powersgd Q of {where}")
 
         def finish() -> None:
             q.copy_(q_local)
@@ -286,7 +288,12 @@ class PowerSGD:
                 grad[a:b].copy_(dense[start : start + b - a])
                 start += b - a
 
-        return self._order.submit(first, launch_q, finish, f"powersgd reduction of {where}")
+        return self._order.submit(first, launch_q, finish, f"powersgd reduction of {where}", comm)
+
+    def poll(self) -> None:
+        """Issue the ``Q`` allreduces whose ``P`` is in (on the collective's lane; never
+        blocks)."""
+        self._order.poll()
 
     def _dense(self, index: int, grad: torch.Tensor, comm: Collective, what: str) -> Pending:
         state = self._buckets.get(index)
