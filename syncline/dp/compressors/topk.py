@@ -41,7 +41,7 @@ def topk_count(ratio: float, numel: int) -> int:
 _SAMPLE_STRIDE = 64
 
 
-def top_indices(mag: torch.Tensor, k: int) -> torch.Tensor:
+def top_indices(mag: torch.Tensor, k: int, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Indices of the ``k`` largest entries of ``mag`` (``>= 0``), in no particular order.
 
     The same set as ``torch.topk(mag, k).indices`` (up to which of equal values at the
@@ -49,7 +49,9 @@ def top_indices(mag: torch.Tensor, k: int) -> torch.Tensor:
     a threshold ``t`` is read off a strided sample (every 64th entry, with a 2x margin), one
     pass keeps the candidates ``mag >= t``, and the exact top-k is taken among them. It is
     exact because every entry left out is ``< t <=`` every candidate; when fewer than ``k``
-    entries pass (an unlucky sample), the full ``topk`` runs instead.
+    entries pass (an unlucky sample), the full ``topk`` runs instead. ``mask``, a bool
+    tensor of at least ``mag.numel()`` elements, takes the candidates' mask instead of a
+    fresh allocation.
     """
     n = mag.numel()
     if n < 64 * _SAMPLE_STRIDE or 4 * k > n:
@@ -57,7 +59,8 @@ def top_indices(mag: torch.Tensor, k: int) -> torch.Tensor:
     sample = mag[::_SAMPLE_STRIDE]
     want = min(sample.numel(), 2 * (k // _SAMPLE_STRIDE) + 1)
     threshold = torch.topk(sample, want, sorted=False).values.min()
-    candidates = torch.nonzero(mag >= threshold).squeeze(1)
+    passed = mag >= threshold if mask is None else torch.ge(mag, threshold, out=mask[:n])
+    candidates = torch.nonzero(passed).squeeze(1)
     if candidates.numel() < k:
         return torch.topk(mag, k, sorted=False).indices
     return candidates[torch.topk(mag[candidates], k, sorted=False).indices]
@@ -83,6 +86,10 @@ class TopK:
         check_range("TopK", "ratio", ratio, 0.0, 1.0, lo_open=True)
         self.ratio = float(ratio)
         self._buckets: dict[int, dict[str, torch.Tensor]] = {}
+        # |a| and the candidates' mask of the bucket being reduced, reused by every bucket
+        # (one at a time): a fresh bucket-sized temporary each call is a large allocation
+        # whose pages are faulted in anew, which in training cost more than the top-k itself
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __repr__(self) -> str:
         return f"TopK(ratio={self.ratio})"
@@ -97,7 +104,8 @@ class TopK:
         acc.add_(grad)  # the residual tensor now holds a = residual + g
         k = topk_count(self.ratio, grad.numel())
         index_dtype = torch.int32 if grad.numel() <= _INT32_LIMIT else torch.int64
-        indices = top_indices(acc.abs(), k)
+        mag, mask = self._scratch_for(acc)
+        indices = top_indices(torch.abs(acc, out=mag), k, mask)
         values = acc[indices]
         acc[indices] = 0.0  # what was not sent stays in the residual
         where = f"bucket {bucket.index} at step {bucket.step}"
@@ -116,6 +124,24 @@ class TopK:
                 grad.div_(world)
 
         return chain([sent], finish, f"topk reduction of {where}", comm)
+
+    def _scratch_for(self, acc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(|a| buffer, mask buffer)`` of ``acc``'s size, dtype and device (grown, never
+        shrunk: sized by the largest bucket after the first step)."""
+        n = acc.numel()
+        have = self._scratch
+        if (
+            have is None
+            or have[0].numel() < n
+            or have[0].dtype != acc.dtype
+            or have[0].device != acc.device
+        ):
+            have = (
+                torch.empty(n, dtype=acc.dtype, device=acc.device),
+                torch.empty(n, dtype=torch.bool, device=acc.device),
+            )
+            self._scratch = have
+        return have[0][:n].view_as(acc), have[1]
 
     def state_dict(self) -> dict[str, Any]:
         """The residual of every bucket."""
