@@ -92,7 +92,7 @@ def _busbw(nbytes: float, seconds: float, p: int) -> float:
 
 def _rank(rank: int, world: int, name: str, pairs: int, warmup: int) -> dict[str, Any]:
     cfg = MODELS[name]
-    loss_fn = model_loss(name)
+    loss_fn = model_loss(cfg.model)
     dataset, _ = build_dataset(cfg)
     batches = ShardedBatches(dataset, cfg.batch_size, rank, world, cfg.seed)
     # Two copies of each engine, built in ABBA order: where a model's memory lands shifts
@@ -145,7 +145,7 @@ def _rank(rank: int, world: int, name: str, pairs: int, warmup: int) -> dict[str
 
 def _rank_shared(rank: int, world: int, name: str, pairs: int, warmup: int) -> dict[str, Any]:
     cfg = MODELS[name]
-    loss_fn = model_loss(name)
+    loss_fn = model_loss(cfg.model)
     dataset, _ = build_dataset(cfg)
     batches = ShardedBatches(dataset, cfg.batch_size, rank, world, cfg.seed)
     model = build_model_for(cfg)
