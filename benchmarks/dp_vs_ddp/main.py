@@ -112,12 +112,15 @@ def _rank(rank: int, world: int, name: str, pairs: int, warmup: int) -> dict[str
     warmup = step
     wall: dict[str, list[float]] = {k: [] for k in ENGINES}
     cpu: dict[str, list[float]] = {k: [] for k in ENGINES}
+    exposed: list[float] = []
     for i in range(pairs):
         batch = batches.batch(warmup + i)
         for kind in abba(ENGINES, i):
             times = [_timed_step(*engine, loss_fn, batch) for engine in copies[kind]]
             wall[kind].append(statistics.fmean(t[0] for t in times))
             cpu[kind].append(statistics.fmean(t[1] for t in times))
+            if kind == "syncline":  # what backward left to wait for (DDP does not report it)
+                exposed.append(statistics.fmean(_exposed(w) for w, _ in copies[kind]))
     # collective path alone: syncline's bucketed buffer vs one raw allreduce of the same size
     dp = copies["syncline"][0][0]
     nbytes = dp.bucket_plan.total_numel * 4
@@ -133,6 +136,7 @@ def _rank(rank: int, world: int, name: str, pairs: int, warmup: int) -> dict[str
     return {
         "wall": wall,
         "cpu": cpu,
+        "exposed": exposed,
         "batch_size": cfg.batch_size,
         "warmup_steps": warmup,
         "bucket_tuning": [w.bucket_tuning for w, _ in copies["syncline"]],
@@ -154,6 +158,7 @@ def _rank_shared(rank: int, world: int, name: str, pairs: int, warmup: int) -> d
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     wall: dict[str, list[float]] = {k: [] for k in ENGINES}
     cpu: dict[str, list[float]] = {k: [] for k in ENGINES}
+    exposed: list[float] = []
     i = measured = 0
     while measured < pairs:
         timing = i >= warmup and not ours.tuning_pending
@@ -166,9 +171,11 @@ def _rank_shared(rank: int, world: int, name: str, pairs: int, warmup: int) -> d
             if timing:
                 wall[kind].append(t[0])
                 cpu[kind].append(t[1])
+                if kind == "syncline":
+                    exposed.append(_exposed(ours))
         measured += timing
         i += 1
-    return {"wall": wall, "cpu": cpu, "batch_size": cfg.batch_size}
+    return {"wall": wall, "cpu": cpu, "exposed": exposed, "batch_size": cfg.batch_size}
 
 
 def _summary(res: dict[str, Any]) -> dict[str, Any]:
@@ -182,7 +189,20 @@ def _summary(res: dict[str, Any]) -> dict[str, Any]:
         "pair_ratio_quartiles": statistics.quantiles(ratios, n=4),
         "syncline_cpu_ms_per_step": 1e3 * statistics.median(res["cpu"]["syncline"]),
         "ddp_cpu_ms_per_step": 1e3 * statistics.median(res["cpu"]["ddp"]),
+        # syncline's step split into what backward left to wait for and the rest
+        "syncline_breakdown_ms": _breakdown(res["wall"]["syncline"], res["exposed"]),
     }
+
+
+def _exposed(engine: Any) -> float:
+    """Seconds the engine's last step waited for communication after backward."""
+    return float(engine.last_stats.exposed_comm_s)
+
+
+def _breakdown(wall: list[float], exposed: list[float]) -> dict[str, float]:
+    """Median step, exposed communication and the rest (compute), in ms."""
+    step, wait = statistics.median(wall), statistics.median(exposed)
+    return {"step": 1e3 * step, "exposed_comm": 1e3 * wait, "compute": 1e3 * (step - wait)}
 
 
 def _loopback_runner(fn: RankFn, world: int, *args: Any) -> dict[str, Any]:
@@ -236,6 +256,8 @@ def _print(r: dict[str, Any]) -> None:
         f"{r['ddp_samples_per_s']:.1f} samples/s -> ratio {r['ratio_of_medians']:.3f} "
         f"(median pair ratio {r['median_pair_ratio']:.3f}); CPU/step "
         f"{r['syncline_cpu_ms_per_step']:.1f} vs {r['ddp_cpu_ms_per_step']:.1f} ms; "
+        f"syncline exposed communication {r['syncline_breakdown_ms']['exposed_comm']:.1f} "
+        f"of {r['syncline_breakdown_ms']['step']:.1f} ms; "
         f"same module: ratio {same['ratio_of_medians']:.3f} (median pair "
         f"ratio {same['median_pair_ratio']:.3f}); allreduce busbw "
         f"{r['bucketed_allreduce_busbw_GBps']:.2f} vs raw "
