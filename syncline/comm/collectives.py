@@ -380,6 +380,11 @@ def with_lane(flat: FlatAllreduce) -> FlatAllreduce:
     subgroup cannot promise) on gloo. NCCL is left without one: its kernels of two
     communicators issued in different orders on different ranks can wait on each other on
     the GPU, and NCCL asks for one issue order across communicators.
+
+    Every call makes a new group, on purpose: a lane shared by two engines whose backward
+    passes interleave (two DataParallel modules in one autograd graph) would carry both
+    engines' second collectives in an order set by timing, which can differ across ranks.
+    The price is one gloo group per engine that asks for a lane.
     """
     group = flat._group
     if flat.lane is not None or flat.world_size == 1:
