@@ -15,15 +15,15 @@ Per bucket (``M_i`` = parameter ``i``'s slice of ``g + residual`` viewed as
 ``shape[0] x prod(shape[1:])``; only matrices where ``r*(a+b)*min_compression_rate < a*b``)::
 
     D = the other elements (biases, norms, tiny matrices)   sent uncompressed, fp32
-    P_i = M_i Q_i                      P = allreduce_sum([P_1 .. P_k]) and allreduce_sum(D/p)
+    P_i = M_i Q_i                      [D/p, P] = allreduce_sum([D/p, P_1 .. P_k])
     P_i = orthonormal columns of P_i   (QR; same on every rank: P is identical bits)
     Q_i = M_i^T P_i                    local
     residual_i = M_i - P_i Q_i^T       local approximation error, before averaging
     Q = allreduce_sum([Q_1 .. Q_k])/p  collective 2; kept as next step's warm start
     grad_i = P_i Q_i^T                 = mean over ranks of P_i Q_i^T ; grad[D] = mean of D
 
-So a bucket costs three collectives, whatever the number of parameters in it: ``D`` and all
-``P`` go out together in phase one, all ``Q`` in phase two, ordered by
+So a bucket costs two collectives, whatever the number of parameters in it: ``D`` and all
+``P`` go out in one message in phase one, all ``Q`` in phase two, ordered by
 :class:`~._pending.PhaseOrder`. ``Q`` starts from a seeded normal draw (same seed on every
 rank, offset by bucket index). Steps ``< warmup_steps``, and buckets with nothing worth
 compressing, are sent dense in fp32 (with any residual folded in). A caller that passes no
@@ -244,22 +244,22 @@ class PowerSGD:
             work = grad.new_zeros(plan.padded)
             work[:n].copy_(residual)
         mats = [(mt, work[mt.offset : mt.offset + mt.rows * mt.cols]) for mt in plan.matrices]
-        parts = []
-        dense = grad.new_empty(0)
+        # the uncompressed part and P travel in one message: one collective (one latency)
+        # for phase one instead of two
+        message = grad.new_empty(plan.dense_numel + plan.p_numel)
+        dense, p = message[: plan.dense_numel], message[plan.dense_numel :]
         if plan.dense:
-            dense = torch.cat([residual[a:b] for a, b in plan.dense])
+            torch.cat([residual[a:b] for a, b in plan.dense], out=dense)
             if world > 1:
                 dense.div_(world)
             for a, b in plan.dense:
                 residual[a:b].zero_()  # sent in full: nothing left to feed back
-            parts.append(comm.allreduce(dense, f"powersgd uncompressed part of {where}"))
         # P and Q are held transposed (r x rows, r x cols): MKL's GEMM is 4-6x faster with the
         # rank as the short *leading* dimension than with skinny (rows x r) outputs.
-        p = grad.new_empty(plan.p_numel)
         for mt, m in mats:
             torch.mm(_q(q, mt), m.view(mt.rows, mt.cols).T, out=_p(p, mt))
-        parts.append(comm.allreduce(p, f"powersgd P of {where}"))
-        first = parts[0] if len(parts) == 1 else chain(parts, _nothing, f"powersgd {where}", comm)
+        what = f"powersgd P{' and uncompressed part' if plan.dense else ''} of {where}"
+        first = comm.allreduce(message, what)
         q_local = torch.empty_like(q)
 
         def launch_q(lane: Collective) -> Pending:
