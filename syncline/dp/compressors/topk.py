@@ -50,8 +50,7 @@ def top_indices(mag: torch.Tensor, k: int, mask: torch.Tensor | None = None) -> 
     pass keeps the candidates ``mag >= t``, and the exact top-k is taken among them. It is
     exact because every entry left out is ``< t <=`` every candidate; when fewer than ``k``
     entries pass (an unlucky sample), the full ``topk`` runs instead. ``mask``, a bool
-    tensor of at least ``mag.numel()`` elements, takes the candidates' mask instead of a
-    fresh allocation.
+    tensor of ``mag``'s shape, takes the candidates' mask instead of a fresh allocation.
     """
     n = mag.numel()
     if n < 64 * _SAMPLE_STRIDE or 4 * k > n:
@@ -59,7 +58,7 @@ def top_indices(mag: torch.Tensor, k: int, mask: torch.Tensor | None = None) -> 
     sample = mag[::_SAMPLE_STRIDE]
     want = min(sample.numel(), 2 * (k // _SAMPLE_STRIDE) + 1)
     threshold = torch.topk(sample, want, sorted=False).values.min()
-    passed = mag >= threshold if mask is None else torch.ge(mag, threshold, out=mask[:n])
+    passed = mag >= threshold if mask is None else torch.ge(mag, threshold, out=mask)
     candidates = torch.nonzero(passed).squeeze(1)
     if candidates.numel() < k:
         return torch.topk(mag, k, sorted=False).indices
@@ -141,7 +140,7 @@ class TopK:
                 torch.empty(n, dtype=torch.bool, device=acc.device),
             )
             self._scratch = have
-        return have[0][:n].view_as(acc), have[1]
+        return have[0][:n].view_as(acc), have[1][:n].view_as(acc)
 
     def state_dict(self) -> dict[str, Any]:
         """The residual of every bucket."""
@@ -165,5 +164,4 @@ def _unpack(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of :func:`_pack`: ``(values, indices)`` of ``k`` entries each."""
     raw = message[k:].view(torch.uint8)
-    size = torch.empty(0, dtype=index_dtype).element_size()
-    return message[:k], raw[: k * size].view(index_dtype)
+    return message[:k], raw[: k * index_dtype.itemsize].view(index_dtype)
