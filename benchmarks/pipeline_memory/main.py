@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for how in ("meta", "eager"):
         for depth in [int(d) for d in args.depths.split(",")]:
-            per_rank = run_ranks(_rank, depth, how, cfg, args.batch, timeout_s=1800)
+            per_rank = run_ranks(
+                _rank, depth, how, cfg, args.batch, timeout_s=1800, start_method="spawn"
+            )
             for rank, r in enumerate(per_rank):
                 growth = r["peak_rss"] - r["baseline_rss"]
                 row = {

@@ -1,6 +1,8 @@
 """Run a function on N local ranks with a real gloo group: the harness of tests and benchmarks.
 
-Each rank is a fresh ``spawn``-ed interpreter (no forked thread pools), the group is started
+Each rank is a fresh process forked from a ``forkserver`` that imported torch and syncline once
+(Linux; ``spawn`` elsewhere): no thread pool or process group is inherited, since the server
+only imported, and a run does not pay torch's import (seconds) per rank. The group is started
 from a temporary :class:`torch.distributed.FileStore` (no ports, so no port races between
 parallel test runs), and results come back through files written by ``torch.save``. A rank that
 raises, crashes or hangs ends the whole run with :class:`RankFailure` naming that rank; the
@@ -46,6 +48,31 @@ def _write_status(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+#: Modules the forkserver imports once, so that every rank forked from it starts with them.
+_PRELOAD = ["torch", "torch.distributed", "syncline.comm"]
+
+
+def _context(method: str | None) -> Any:
+    """The start method of ranks: ``forkserver`` with torch preloaded where there is one.
+
+    ``spawn`` (the argument, or ``SYNCLINE_START_METHOD=spawn``) gives a fresh interpreter per
+    rank, as a user's ``torchrun`` does: for measuring a rank's resident memory (a forked
+    rank's counts pages it shares with the server) or to rule the server out of a failure.
+    """
+    method = method or os.environ.get("SYNCLINE_START_METHOD", "")
+    if method not in ("", "spawn", "forkserver"):
+        raise ConfigError(
+            f"start method {method!r} (start_method or SYNCLINE_START_METHOD): expected "
+            "'spawn' or 'forkserver'"
+        )
+    if not method:
+        method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def _worker(
     fn: Callable[..., Any],
     rank: int,
@@ -55,7 +82,11 @@ def _worker(
     threads: int,
     backend: str,
     comm_timeout_s: float,
+    environ: dict[str, str],
 ) -> None:
+    # A forked rank has the server's environment (from when it started), not the caller's now.
+    os.environ.clear()
+    os.environ.update(environ)
     import torch
 
     from syncline import comm
@@ -88,6 +119,7 @@ def run_ranks(
     threads: int = 1,
     backend: str = "gloo",
     comm_timeout_s: float = 60.0,
+    start_method: str | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return each result.
 
@@ -99,18 +131,21 @@ def run_ranks(
         threads: ``torch.set_num_threads`` per rank (ranks share the machine's cores).
         backend: process-group backend.
         comm_timeout_s: the process group's own timeout for each collective.
+        start_method: ``"spawn"`` or ``"forkserver"``; default ``SYNCLINE_START_METHOD`` or,
+            unset, ``"forkserver"`` where the platform has it.
 
     Raises:
         RankFailure: naming the first rank that raised, died or did not finish in time.
     """
     if world_size < 1:
         raise ConfigError(f"world_size={world_size} must be >= 1")
-    ctx = mp.get_context("spawn")
+    ctx = _context(start_method)
+    environ = dict(os.environ)
     workdir = tempfile.mkdtemp(prefix="syncline-ranks-")
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, r, world_size, workdir, args, threads, backend, comm_timeout_s),
+            args=(fn, r, world_size, workdir, args, threads, backend, comm_timeout_s, environ),
             daemon=True,
         )
         for r in range(world_size)
