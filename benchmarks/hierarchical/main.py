@@ -1,4 +1,4 @@
-"""Flat vs hierarchical allreduce across emulated nodes: 2 nodes x 2 ranks, slow links between.
+"""Flat vs hierarchical allreduce across emulated nodes (default 2 x 2 ranks), slow links between.
 
 Each node is a network namespace holding its ranks (they reach each other over its loopback)
 joined to the other node by one rate-limited link (``tc tbf``), as on a cluster whose nodes
@@ -15,6 +15,13 @@ behind backward is ``wall - compute - exposed`` away from zero only by noise.
 
     sudo .venv/bin/python -m benchmarks.hierarchical --rates 100mbit,1gbit \\
         --out benchmarks/results/hierarchical.json
+
+What bytes allow: a flat ring over ``p = nodes x ranks_per_node`` ranks (the ranks of a node
+adjacent in it) sends ``2 (p-1)/p`` of the gradient out of each node, the hierarchical one
+``2 (n-1)/n`` (its inter-node phase moves each rank's ``1/r`` shard), and a node cannot send
+less than the latter without compression. The report states that ratio
+(``comm_bound_ratio``): 1.5 at 2 x 2, 1.75 at 2 x 4. ``--ranks-per-node 4`` with a small
+``--batch`` puts 8 ranks on this machine's cores with little compute each.
 
 Floor (issue 16): hierarchical >= 1.6x flat at 100 Mbit/s between nodes.
 """
@@ -43,7 +50,12 @@ from syncline.train.common import build_dataset, build_model_for
 from syncline.train.config import TrainConfig
 
 ENGINES = ("flat", "hierarchical")
-NODES, PER_NODE = 2, 2
+
+
+def comm_bound_ratio(nodes: int, per_node: int) -> float:
+    """Bytes out of a node, flat ring over hierarchical: the most the latter can gain."""
+    p = nodes * per_node
+    return ((p - 1) / p) / ((nodes - 1) / nodes)
 
 
 def _rank(rank: int, world: int, engine: str, a: dict[str, Any]) -> dict[str, Any]:
@@ -54,7 +66,7 @@ def _rank(rank: int, world: int, engine: str, a: dict[str, Any]) -> dict[str, An
     model = build_model_for(cfg)
     allreduce: Any = "flat"
     if engine == "hierarchical":
-        allreduce = HierarchicalAllreduce(Topology(world, PER_NODE), timeout_s=300).build()
+        allreduce = HierarchicalAllreduce(Topology(world, a["per_node"]), timeout_s=300).build()
     dp = DataParallel(model, bucket_cap_mb=a["bucket_mb"], allreduce=allreduce)
     opt = torch.optim.AdamW(dp.parameters(), lr=1e-3)
 
@@ -90,13 +102,14 @@ def _rank(rank: int, world: int, engine: str, a: dict[str, Any]) -> dict[str, An
 
 def _rate(rate: str, a: argparse.Namespace) -> dict[str, Any]:
     settings = {k: getattr(a, k) for k in ("batch", "bucket_mb", "warmup", "steps")}
+    settings["per_node"] = a.ranks_per_node
     rounds: dict[str, list[dict[str, Any]]] = {e: [] for e in ENGINES}
-    with EmulatedNetwork(NODES, rate) as net:
+    with EmulatedNetwork(a.nodes, rate) as net:
         for r in range(a.rounds):
             for engine in abba(ENGINES, r):
                 res = run_ranks_emulated(
                     net, _rank, engine, settings, timeout_s=1800, comm_timeout_s=600,
-                    ranks_per_host=PER_NODE,
+                    ranks_per_host=a.ranks_per_node,
                 )  # fmt: skip
                 slowest = max(res, key=lambda x: x["wall_s"])
                 rounds[engine].append({**slowest, "per_rank_wall_s": [x["wall_s"] for x in res]})
@@ -128,11 +141,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch", type=int, default=32, help="global batch")
     ap.add_argument("--bucket-mb", type=float, default=1.0, help="bucket cap, both algorithms")
+    ap.add_argument("--nodes", type=int, default=2, help="emulated nodes, >= 2")
+    ap.add_argument("--ranks-per-node", type=int, default=2, help="ranks in each node, >= 2")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
+    if a.nodes < 2 or a.ranks_per_node < 2:
+        ap.error(f"--nodes={a.nodes} and --ranks-per-node={a.ranks_per_node} must be >= 2")
+    if a.batch % (a.nodes * a.ranks_per_node):
+        ap.error(f"--batch={a.batch} must be a multiple of the {a.nodes * a.ranks_per_node} ranks")
     check_prerequisites()
     config = {k: v for k, v in vars(a).items() if k != "out"}
-    config.update(nodes=NODES, ranks_per_node=PER_NODE, model="gpt (default)")
+    config.update(model="gpt (default)")
+    config["comm_bound_ratio"] = comm_bound_ratio(a.nodes, a.ranks_per_node)
     report: dict[str, Any] = {"config": config, "rates": {}}
     for rate in a.rates.split(","):
         report["rates"][rate] = _rate(rate, a)
