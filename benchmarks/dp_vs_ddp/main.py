@@ -53,7 +53,7 @@ from syncline.data import ShardedBatches
 from syncline.launch.netns import EmulatedNetwork, check_prerequisites
 from syncline.models import model_loss
 from syncline.testing import run_ranks
-from syncline.testing.bench import abba, merge_results, paired_ratios, read_results
+from syncline.testing.bench import abba, merge_results, paired_ratios, read_results, step_split
 from syncline.testing.emulated import run_ranks_emulated
 from syncline.train.common import build_dataset, build_model_for
 from syncline.train.config import TrainConfig
@@ -201,8 +201,8 @@ def _exposed(engine: Any) -> float:
 
 def _breakdown(wall: list[float], exposed: list[float]) -> dict[str, float]:
     """Median step, exposed communication and the rest (compute), in ms."""
-    step, wait = statistics.median(wall), statistics.median(exposed)
-    return {"step": 1e3 * step, "exposed_comm": 1e3 * wait, "compute": 1e3 * (step - wait)}
+    step, wait, compute = step_split(wall, exposed)
+    return {"step": 1e3 * step, "exposed_comm": 1e3 * wait, "compute": 1e3 * compute}
 
 
 def _loopback_runner(fn: RankFn, world: int, *args: Any) -> dict[str, Any]:

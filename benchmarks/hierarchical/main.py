@@ -151,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--batch={a.batch} must be a multiple of the {a.nodes * a.ranks_per_node} ranks")
     check_prerequisites()
     config = {k: v for k, v in vars(a).items() if k != "out"}
-    config.update(model="gpt (default)")
-    config["comm_bound_ratio"] = comm_bound_ratio(a.nodes, a.ranks_per_node)
+    config.update(
+        model="gpt (default)", comm_bound_ratio=comm_bound_ratio(a.nodes, a.ranks_per_node)
+    )
     report: dict[str, Any] = {"config": config, "rates": {}}
     for rate in a.rates.split(","):
         report["rates"][rate] = _rate(rate, a)

@@ -18,7 +18,7 @@ import statistics
 from typing import Any
 
 from benchmarks.lowbw.engines import SYNCLINE_CONFIGS
-from syncline.testing.bench import paired_ratios, ratio
+from syncline.testing.bench import paired_ratios, ratio, step_split
 
 
 def _smooth(xs: list[float], window: int) -> list[float]:
@@ -45,10 +45,8 @@ def summarise(res: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
     exposed = [x for x in res.get("exposed_comm_s", [])[skip:] if x is not None]
     breakdown = None
     if exposed:  # per step: compute (with compression's local work) and exposed communication
-        step_s = statistics.median(steady)
-        exposed_s = statistics.median(exposed)
-        breakdown = {"step_s": step_s, "exposed_comm_s": exposed_s,
-                     "compute_s": step_s - exposed_s}  # fmt: skip
+        step_s, exposed_s, compute_s = step_split(steady, exposed)
+        breakdown = {"step_s": step_s, "exposed_comm_s": exposed_s, "compute_s": compute_s}
     return {
         "config": res["config"],
         "n_params": res["n_params"],

@@ -65,6 +65,13 @@ def ratio_of_medians(a: Sequence[float], b: Sequence[float]) -> float:
     return statistics.median(a) / statistics.median(b)
 
 
+def step_split(steps: Sequence[float], exposed: Sequence[float]) -> tuple[float, float, float]:
+    """Median step, median exposed communication, and their difference (the compute left,
+    compression's local work included), in the units given."""
+    step, wait = statistics.median(steps), statistics.median(exposed)
+    return step, wait, step - wait
+
+
 def read_results(path: Path) -> dict[str, Any]:
     """The JSON document at ``path``; empty when the file is missing or not valid JSON."""
     try:

@@ -134,7 +134,7 @@ def _main(argv: list[str]) -> int:
     workdir, rank, world = argv[0], int(argv[1]), int(argv[2])
     with open(os.path.join(workdir, _JOB), "rb") as f:
         fn, args, threads, backend, comm_timeout_s = pickle.load(f)
-    _worker(fn, rank, world, workdir, args, threads, backend, comm_timeout_s, dict(os.environ))
+    _worker(fn, rank, world, workdir, args, threads, backend, comm_timeout_s)
     return 0
 
 

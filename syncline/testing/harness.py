@@ -82,11 +82,11 @@ def _worker(
     threads: int,
     backend: str,
     comm_timeout_s: float,
-    environ: dict[str, str],
+    environ: dict[str, str] | None = None,
 ) -> None:
-    # A forked rank has the server's environment (from when it started), not the caller's now.
-    os.environ.clear()
-    os.environ.update(environ)
+    if environ is not None:  # a forked rank has the server's environment, not the caller's now
+        os.environ.clear()
+        os.environ.update(environ)
     import torch
 
     from syncline import comm
