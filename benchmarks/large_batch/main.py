@@ -155,32 +155,56 @@ def main(argv: list[str] | None = None) -> int:
         runs: dict[str, Any] = {}
         sweeps: dict[str, list[dict[str, Any]]] = {}
         base_warmup = max(1, int(a.warmup_fraction * a.base_steps))
+        entry: dict[str, Any] = {"runs": runs, "gap_to_base": {}, "sweep": sweeps}
+        result["models"][model] = entry
         runs["base"] = _run(model, "base", a.base_batch, a.base_steps, spec["base"], base_warmup, a)
+        _save_partial(result, a)
         for f in factors:
             steps = max(1, a.base_steps // f)
             batch = a.base_batch * f
-            runs[f"naive x{f}"] = _run(model, "naive", batch, steps, spec["naive"], 0, a)
+            # The recipe first: it carries the floor, and a long run stopped part-way keeps it.
             warmup = max(1, int(a.warmup_fraction * steps))
             lrs = [float(x) for x in a.recipe_lrs.split(",")] if a.recipe_lrs else [None]
-            tried = []
+            tried: list[dict[str, Any]] = []
             for lr in lrs:
                 recipe = dict(spec["recipe"], **({"lr": lr} if lr is not None else {}))
                 name = "recipe" if lr is None else f"recipe-lr{lr:g}"
                 tried.append(_run(model, name, batch, steps, recipe, warmup, a))
-            ok = [r for r in tried if "final_val_loss" in r]
-            runs[f"recipe x{f}"] = min(ok, key=lambda r: r["final_val_loss"]) if ok else tried[0]
-            if len(lrs) > 1:
-                sweeps[f"recipe x{f}"] = tried
-        base = runs["base"].get("final_val_loss")
-        gaps = {
-            label: run["final_val_loss"] / base - 1.0
-            for label, run in runs.items()
-            if label != "base" and "final_val_loss" in run and base
-        }
-        result["models"][model] = {"runs": runs, "gap_to_base": gaps, "sweep": sweeps}
+                ok = [r for r in tried if "final_val_loss" in r] or tried
+                runs[f"recipe x{f}"] = min(ok, key=lambda r: r.get("final_val_loss", 1e30))
+                if len(lrs) > 1:
+                    sweeps[f"recipe x{f}"] = tried
+                _save_partial(result, a)
+            runs[f"naive x{f}"] = _run(model, "naive", batch, steps, spec["naive"], 0, a)
+            _save_partial(result, a)
+        entry["gap_to_base"] = gaps = _gaps(runs)
         print(f"{model}: gaps to the base batch's final held-out loss: "
               + ", ".join(f"{k} {v:+.1%}" for k, v in gaps.items()), flush=True)  # fmt: skip
     if a.out is not None:
+        result.pop("partial", None)
         write_json(a.out, result, indent=2)
         _plot(result, a.out.with_suffix(".png"))
     return 0
+
+
+def _gaps(runs: dict[str, Any]) -> dict[str, float]:
+    """Each run's final held-out loss relative to the base batch's (+0.02 is 2 % worse)."""
+    base = runs.get("base", {}).get("final_val_loss")
+    return {
+        label: run["final_val_loss"] / base - 1.0
+        for label, run in runs.items()
+        if label != "base" and "final_val_loss" in run and base
+    }
+
+
+def _save_partial(result: dict[str, Any], a: argparse.Namespace) -> None:
+    """Write what has finished so far, marked ``partial``.
+
+    A sweep at long training lengths runs for hours; if it is stopped, the finished runs stay
+    in ``--out`` and a rerun with ``--reuse`` of that file trains only what is missing.
+    """
+    if a.out is None:
+        return
+    for entry in result["models"].values():
+        entry["gap_to_base"] = _gaps(entry["runs"])
+    write_json(a.out, dict(result, partial=True), indent=2)
