@@ -23,6 +23,14 @@ fp16 scales the loss, so it needs three things to hold on every rank:
   copy of the newest, unchanged), so the versions stay numbered as the schedule expects.
 - **gradients unscaled before the optimizer**, after the REDUCE (a linear average, scaled
   or not) and after tied copies are summed.
+
+A REDUCE with an error-feedback compressor (CSC, TopK, PowerSGD) keeps a residual across
+steps, so it must never see a scaled or non-finite gradient: a skipped step would leave inf
+in the residual, and a residual kept at one step's scale would be wrong at the next. There
+each bucket is unscaled as it enters the compressor (:meth:`PipelinePrecision.unscale_bucket`,
+with batch ``b``'s scale), its infs and NaNs zeroed and flagged; the flag joins this rank's
+share of the verdict, and the STEP does not unscale again. This is what data parallelism
+does (:meth:`syncline.dp.DataParallel.unscale_in_reduce`).
 """
 
 from __future__ import annotations
@@ -35,7 +43,6 @@ import torch
 from syncline import comm
 from syncline.dp.compression import Compressor
 from syncline.dp.precision import LossScaler, autocast
-from syncline.errors import ConfigError
 
 __all__ = ["PipelinePrecision"]
 
@@ -48,8 +55,8 @@ class PipelinePrecision:
         groups: the pipeline's group, then the replicas' (if any): the verdict's reach.
         timeout_s: the longest the verdict may wait for another rank.
         device: where the stages run (autocast's device type).
-        compression: the replicas' REDUCE compressor, if any. fp16 refuses one with error
-            feedback: a skipped step would leave inf in its residual.
+        compression: the replicas' REDUCE compressor, if any. Under fp16 one with error
+            feedback gets its buckets unscaled (see the module docstring).
     """
 
     def __init__(
@@ -60,19 +67,18 @@ class PipelinePrecision:
         device: torch.device,
         compression: Compressor | None = None,
     ) -> None:
-        if precision == "fp16" and compression is not None and not compression.stateless:
-            raise ConfigError(
-                f"precision='fp16' with compression={compression!r} is not supported: an "
-                "overflowed (skipped) step would leave inf in the compressor's residual; "
-                "valid: precision='bf16' (no loss scaling), or a stateless compressor "
-                "(none, FP16, BF16)"
-            )
         self.precision = precision
+        #: buckets are unscaled as they enter the REDUCE's compressor (it keeps a residual)
+        self.in_reduce = (
+            precision == "fp16" and compression is not None and not compression.stateless
+        )
+        self._flags: dict[int, torch.Tensor] = {}  # per batch: a REDUCE bucket held inf/NaN
         self._device = device
         self.scaler = (
             LossScaler(timeout_s=timeout_s, groups=groups) if precision == "fp16" else None
         )
         self._verdict: tuple[int, float] | None = None  # last batch judged, its scale (0: skip)
+        self._judged_at = 1.0  # the scale the last batch judged was trained at
         self._next_verdict: int | None = None  # the batch whose verdict comes next
 
     def autocast(self) -> AbstractContextManager[None]:
@@ -92,6 +98,30 @@ class PipelinePrecision:
             )
         return self.scaler.value
 
+    def unscale_bucket(self, batch: int, bucket: torch.Tensor) -> None:
+        """Before the REDUCE's compressor takes ``bucket`` (batch ``batch``): divide it by the
+        batch's scale, zero any inf or NaN and note it for the batch's verdict. No host sync:
+        the flag stays a tensor until the verdict reads it."""
+        assert self.scaler is not None and self.in_reduce
+        if self._verdict is not None and self._verdict[0] == batch:
+            scale = self._judged_at  # a stage reduced after this rank's first STEP of batch
+        elif self._next_verdict is None or self._next_verdict == batch:
+            scale = self.scaler.value
+        else:
+            raise RuntimeError(
+                f"precision='fp16': REDUCE of batch {batch} before the loss-scale verdict of "
+                f"batch {self._next_verdict}; its scale is not known yet"
+            )
+        bucket.mul_(1.0 / scale)
+        bad = torch.isfinite(bucket).all().logical_not()
+        flag = self._flags.get(batch)
+        self._flags[batch] = bad if flag is None else flag.logical_or(bad)
+        torch.nan_to_num_(bucket, nan=0.0, posinf=0.0, neginf=0.0)
+
+    def _flagged(self, batch: int) -> bool:
+        flag = self._flags.get(batch)
+        return flag is not None and bool(flag)
+
     def before_step(
         self, batch: int, grads: list[torch.Tensor], local: Callable[[], list[torch.Tensor]]
     ) -> bool:
@@ -108,11 +138,17 @@ class PipelinePrecision:
                     f"expected: {self._next_verdict})"
                 )
             value = self.scaler.value
-            found = self.scaler.overflowed(local(), f"loss-scale overflow verdict of step {batch}")
-            self._verdict = (batch, 0.0 if found else value)
+            found = self.scaler.overflowed(
+                local(), f"loss-scale overflow verdict of step {batch}", self._flagged(batch)
+            )
+            self._verdict, self._judged_at = (batch, 0.0 if found else value), value
             self.scaler.update(found)
             self._next_verdict = batch + 1
-        elif any(not bool(torch.isfinite(g).all()) for g in grads):
+            for old in [b for b in self._flags if b < batch]:
+                del self._flags[old]
+        elif self._verdict[1] != 0.0 and (
+            self._flagged(batch) or any(not bool(torch.isfinite(g).all()) for g in grads)
+        ):
             raise RuntimeError(  # a later stage of this rank overflowed after the verdict
                 f"precision='fp16': a stage's gradient of batch {batch} is not finite, but "
                 "the batch's verdict (taken at this rank's first STEP) found none"
@@ -120,5 +156,6 @@ class PipelinePrecision:
         scale = self._verdict[1]
         if scale == 0.0:
             return False
-        self.scaler.unscale_(grads, scale)
+        if not self.in_reduce:  # else its REDUCE unscaled it already
+            self.scaler.unscale_(grads, scale)
         return True

@@ -70,14 +70,16 @@ class BucketedReduce:
         cap_bytes: about how many bytes a bucket holds (``<= 0``: one bucket).
         compression: reduces each bucket.
         comm: the replicas' collective.
+        prepare: called as ``prepare(batch, bucket)`` on each filled bucket before the
+            compressor takes it (fp16 under an error-feedback compressor: the unscale).
     """
 
     def __init__(
         self, stage: int, num_stages: int, cap_bytes: int, compression: Compressor,
-        comm: Collective,
+        comm: Collective, prepare: Callable[[int, torch.Tensor], None] | None = None,
     ) -> None:  # fmt: skip
         self.stage, self._d, self._cap = stage, num_stages, cap_bytes
-        self._compression, self._comm = compression, comm
+        self._compression, self._comm, self._prepare = compression, comm, prepare
         self._poll: Callable[[], None] | None = getattr(comm, "poll", None)
         self._plan: list[list[int]] | None = None
         self._bucket_of: list[int] = []
@@ -159,6 +161,8 @@ class BucketedReduce:
                     view.zero_()
                 else:
                     view.copy_(t.grad)
+            if self._prepare is not None:
+                self._prepare(armed.batch, flat)
         ref = BucketRef(k * self._d + self.stage, armed.batch, tuple(layout))
         armed.pending.append((k, self._compression.reduce(ref, flat, self._comm)))
         armed.next_bucket = k + 1

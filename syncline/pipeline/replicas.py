@@ -22,7 +22,7 @@ per bucket.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -96,6 +96,9 @@ class StageReplicas:
             bucket per stage).
         allreduce: the REDUCE's collective over ``group`` (e.g. a hierarchical one, for
             replicas on several nodes); default: a flat ring.
+        prepare: called as ``prepare(batch, bucket)`` on each bucket before the compressor
+            takes it (fp16 beside an error-feedback compressor: the unscale,
+            :meth:`syncline.pipeline.precision.PipelinePrecision.unscale_bucket`).
     """
 
     def __init__(
@@ -107,8 +110,10 @@ class StageReplicas:
         num_stages: int = 1,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         allreduce: comm.Collective | None = None,
+        prepare: Callable[[int, torch.Tensor], None] | None = None,
     ) -> None:
         self.group = group
+        self._prepare = prepare
         self.compression = compression
         self.ranks = comm.group_ranks(group)
         self._me = comm.global_rank()
@@ -186,8 +191,9 @@ class StageReplicas:
         reducer = self._reducers.get(stage)
         if reducer is None:
             reducer = BucketedReduce(
-                stage, self._num_stages, self._cap_bytes, self.compression, self._reduce_comm
-            )
+                stage, self._num_stages, self._cap_bytes, self.compression, self._reduce_comm,
+                self._prepare,
+            )  # fmt: skip
             self._reducers[stage] = reducer
         return reducer
 

@@ -209,13 +209,6 @@ class Pipeline(ActionHandlers, PipelineReports):
         self._group = process_group
         self._rank = comm.group_rank(process_group)
         self._timeout_s = float(timeout_s)
-        self._replicas = (
-            StageReplicas(data_parallel_group, self._compression, self._timeout_s,
-                          num_stages=num_stages, bucket_cap_mb=reduce_bucket_mb,
-                          allreduce=replica_allreduce)
-            if width > 1
-            else None
-        )  # fmt: skip
         self._init, self._seed = init, seed
         first = next(module.parameters(), None)
         default = first.device if first is not None and not first.is_meta else torch.device("cpu")
@@ -223,6 +216,14 @@ class Pipeline(ActionHandlers, PipelineReports):
         dp = [data_parallel_group] if width > 1 else []
         self._precision = PipelinePrecision(precision, [process_group, *dp], self._timeout_s,
             self._device, self._compression if dp else None)  # fmt: skip
+        unscale = self._precision.unscale_bucket if self._precision.in_reduce else None
+        self._replicas = (
+            StageReplicas(data_parallel_group, self._compression, self._timeout_s,
+                          num_stages=num_stages, bucket_cap_mb=reduce_bucket_mb,
+                          allreduce=replica_allreduce, prepare=unscale)
+            if width > 1
+            else None
+        )  # fmt: skip
         self._last_rank = self._plan.schedule.rank_of(num_stages - 1)
         self._stages: dict[int, Stage] = {}
         self._balance: list[int] | None = None

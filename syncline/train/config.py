@@ -102,8 +102,8 @@ class TrainConfig:
     """``fp32``; ``bf16`` or ``fp16``: the forward and the loss under autocast, weights,
     gradients and optimizer state in fp32; fp16 scales the loss dynamically, every rank
     agreeing on each overflow (all skip that step; a pipeline's stages and replicas alike),
-    the scale checkpointed. Under data parallelism an error-feedback compressor gets the
-    gradients unscaled, infs zeroed; a pipeline's REDUCE refuses one with fp16."""
+    the scale checkpointed. An error-feedback compressor (data parallelism or a pipeline's
+    REDUCE) gets the gradients unscaled, infs zeroed and flagged for the verdict."""
     momentum: float = option(0.9, group=_OPT)
     """SGD and LARS momentum, in [0, 1); moves into the compressor when it applies momentum
     itself."""
@@ -291,14 +291,6 @@ class TrainConfig:
         if self.precision not in PRECISIONS:
             raise ConfigError(
                 f"precision={self.precision!r} is unknown; valid: {', '.join(PRECISIONS)}"
-            )
-        spec = COMPRESSORS.get(compressor_name(self.compression))
-        if self.precision == "fp16" and spec.error_feedback and self.pipeline_stages > 1:
-            raise ConfigError(
-                f"precision='fp16' with compression={self.compression!r} for a pipeline's "
-                "replicas is not supported: an overflowed (skipped) step would leave inf in "
-                "the compressor's residual; valid: --precision bf16 (no loss scaling), or a "
-                "stateless compressor (none, fp16, bf16); data parallelism supports it"
             )
 
     def _check_validation(self) -> None:
