@@ -39,8 +39,6 @@ class CompressorSpec:
         options: ``key -> (keyword, type, METAVAR)`` of its ``key=value`` options.
         owns_momentum: applies momentum itself before sparsifying (CSC's momentum
             correction), so SGD must run without momentum beside it.
-        error_feedback: keeps what it did not send (a residual) from step to step, so a
-            non-finite gradient would stay in its state.
     """
 
     name: str
@@ -49,7 +47,6 @@ class CompressorSpec:
     argument: tuple[str, type, str] | None = None
     options: Mapping[str, tuple[str, type, str]] = field(default_factory=dict)
     owns_momentum: bool = False
-    error_feedback: bool = False
 
     @property
     def form(self) -> str:
@@ -155,7 +152,6 @@ COMPRESSORS.register(
             "ramp": ("ramp", str, "dense|exp"),
         },
         owns_momentum=True,
-        error_feedback=True,
     )
 )
 COMPRESSORS.register(
@@ -164,7 +160,6 @@ COMPRESSORS.register(
         "element-wise top-k with error feedback, e.g. topk:0.01",
         f"{_C}.topk:TopK",
         argument=("ratio", float, "RATIO"),
-        error_feedback=True,
     )
 )
 COMPRESSORS.register(
@@ -174,6 +169,5 @@ COMPRESSORS.register(
         f"{_C}.powersgd:PowerSGD",
         argument=("rank", int, "RANK"),
         options={"warmup": ("warmup_steps", int, "N")},
-        error_feedback=True,
     )
 )
