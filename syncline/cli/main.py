@@ -221,12 +221,20 @@ def _resumed_values(given: dict[str, object]) -> dict[str, object]:
             )
     from syncline.train.snapshots import SnapshotStore
 
-    if SnapshotStore(run / "checkpoints", keep=1).latest() is None:
+    latest = SnapshotStore(run / "checkpoints", keep=1).latest()
+    if latest is None:
         raise ConfigError(
             f"resume={str(run)!r}: no complete checkpoint under {run / 'checkpoints'}; "
             "nothing to resume (checkpoints are written every --checkpoint-every steps)"
         )
     merged = {**stored, "inject_failure": None, **given, "run_dir": str(run), "resume": str(run)}
+    steps = merged.get("steps")
+    if isinstance(steps, int) and steps <= latest.step:
+        raise ConfigError(
+            f"resume={str(run)!r}: its newest checkpoint is of step {latest.step}, and "
+            f"steps={steps} leaves nothing to train; valid: --steps greater than "
+            f"{latest.step} (to extend the run)"
+        )
     if merged.get("pipeline_stages", 1) == 1:  # resharded onto data parallelism
         for key in ("schedule", "microbatches", "balance", "recompute", "split_points"):
             if key not in given:

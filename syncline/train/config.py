@@ -206,7 +206,8 @@ class TrainConfig:
     with). Fires only in the first attempt, so a job restarted by ``max_restarts`` completes."""
     checkpoint_every: int | None = option(None, group=_CKPT, metavar="N", default_text="100")
     """Write a complete sharded checkpoint (every rank its part, in parallel, published
-    atomically) under RUN_DIR/checkpoints every N steps; 0: only the final checkpoint.pt.
+    atomically) under RUN_DIR/checkpoints every N steps and after the last step; 0: only
+    the final checkpoint.pt.
     2BW flushes at these steps (the batch after one starts on the newest weights, as the
     first batch does), so the checkpoint holds one weight version and nothing in flight."""
     keep_checkpoints: int = option(2, group=_CKPT, metavar="K")
@@ -479,14 +480,20 @@ class TrainConfig:
                 f"inject_failure={self.inject_failure!r}: a pipeline without replicas has no "
                 "allreduce; valid phases: start, forward, checkpoint (allreduce: with replicas)"
             )
-        every, done = self.checkpoint_every or 0, step + 1
-        if phase == "checkpoint" and not (every and done % every == 0 and done < self.steps):
+        if phase == "checkpoint" and not self.checkpoint_due(step + 1):
             raise ConfigError(
                 f"inject_failure={self.inject_failure!r}: no checkpoint is written at step "
-                f"{step} (checkpoint_every={every}, steps={self.steps}); valid: a STEP with "
-                "STEP+1 a multiple of checkpoint_every, before the last step"
+                f"{step} (checkpoint_every={self.checkpoint_every or 0}, steps={self.steps}); "
+                "valid: a STEP with STEP+1 a multiple of checkpoint_every, or the last step"
             )
         return rank, step, phase
+
+    def checkpoint_due(self, done: int) -> bool:
+        """Whether a checkpoint is written once ``done`` steps are done: every
+        ``checkpoint_every`` steps and after the last one, so that ``--resume RUN_DIR --steps
+        N`` extends a finished run from its end instead of replaying its last steps."""
+        every = self.checkpoint_every or 0
+        return every > 0 and (done % every == 0 or done == self.steps)
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as JSON values (tuples as lists), as saved in ``config.json``."""

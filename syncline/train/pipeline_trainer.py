@@ -231,7 +231,7 @@ def train_pipeline(
             if validated:
                 progress.validation(step, validated)
         done = step + 1
-        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
+        if cfg.checkpoint_due(done):
             pipe.flush()  # 2BW: its batches ended here, so nothing is in flight
             assert cfg.schedule is not None
             store.save(

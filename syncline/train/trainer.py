@@ -154,7 +154,7 @@ def train(
             if validated:
                 progress.validation(step, validated)
         done = step + 1
-        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
+        if cfg.checkpoint_due(done):
             t_save = time.perf_counter()
             path = store.save(
                 done,

@@ -60,11 +60,13 @@ def _assert_same_tree(a: object, b: object, where: str) -> None:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> dict[str, dict]:
     """The reference runs: 8 steps, no failure (one per compression); each keeps its
-    checkpoints of steps 4 and 6 (under ``"dir"``)."""
+    checkpoints of steps 4, 6 and 8, the last written after the last step (under ``"dir"``)."""
     out = {}
     for name, flags in VARIANTS.items():
         run = tmp_path_factory.mktemp(f"ref-{name}")
-        code, text = _train(run, "--steps", "8", "--checkpoint-every", "2", *flags)
+        code, text = _train(
+            run, "--steps", "8", "--checkpoint-every", "2", "--keep-checkpoints", "3", *flags
+        )
         assert code == 0, text[-3000:]
         out[name] = {**_final(run), "dir": run}
     return out
@@ -93,10 +95,10 @@ def test_resume_after_a_failure_is_bit_exact(tmp_path, uninterrupted) -> None:
     assert final["optimizer"]["state"]  # AdamW's moments were compared, not an empty dict
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 2, 4, 6, 7]
-    # the newest two checkpoints are kept
+    # the newest two checkpoints are kept, the last written after the last step
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
-        "step-00000003",
         "step-00000006",
+        "step-00000008",
     ]
 
 
@@ -133,7 +135,8 @@ def test_elastic_restart_is_bit_exact(tmp_path, uninterrupted, variant) -> None:
 def test_resume_refuses_a_changed_option_and_a_run_without_checkpoints(
     tmp_path, uninterrupted
 ) -> None:
-    """Both refused before any process starts (the run directory holds only its config)."""
+    """Both refused before any process starts (the run directory holds only its config); so
+    is resuming a finished run without more steps (its last checkpoint is of its last step)."""
     run = tmp_path / "run"
     run.mkdir()
     shutil.copy(uninterrupted["dense"]["dir"] / "config.json", run / "config.json")
@@ -141,6 +144,10 @@ def test_resume_refuses_a_changed_option_and_a_run_without_checkpoints(
     assert code == 2 and "no complete checkpoint" in text, text
     code, text = _train(run, "--resume", str(run), "--lr", "0.5")
     assert code == 2 and "lr=0.5 differs from the run's" in text, text
+    done = uninterrupted["dense"]["dir"]
+    code, text = _train(done, "--resume", str(done))
+    assert code == 2 and "newest checkpoint is of step 8, and steps=8 leaves nothing" in text
+    assert "valid: --steps greater than 8" in text, text
 
 
 # -- the store on its own: atomic publication, verification, safe reading --------------------
@@ -258,6 +265,7 @@ def test_a_pipeline_checkpoint_reshards_onto_4_stages_and_onto_data_parallelism(
     }.items():
         run = tmp_path / name
         shutil.copytree(ref, run)
+        shutil.rmtree(run / "checkpoints" / "step-00000008")  # the one after the last step
         res = syncline("train", "--resume", str(run), *shape)
         assert res.returncode == 0, res.stderr[-3000:]
         assert "(step 4, resharded" in res.stdout, res.stdout[-2000:]
@@ -269,12 +277,13 @@ def test_a_pipeline_checkpoint_reshards_onto_4_stages_and_onto_data_parallelism(
 
 def test_a_data_parallel_checkpoint_reshards_onto_a_pipeline(tmp_path, uninterrupted) -> None:
     """The other direction: data parallelism's checkpoint of step 4 (the uninterrupted dense
-    run, its step-6 checkpoint removed) continued as a 2-stage 1F1B pipeline ends where the
+    run, its step-6 and step-8 checkpoints removed) continued as a 2-stage 1F1B pipeline ends where the
     uninterrupted data-parallel run ends, up to floating-point reassociation."""
     ref = uninterrupted["dense"]
     run = tmp_path / "run"
     shutil.copytree(ref["dir"], run)
     shutil.rmtree(run / "checkpoints" / "step-00000006")
+    shutil.rmtree(run / "checkpoints" / "step-00000008")
     res = syncline("train", "--resume", str(run), "--pipeline-stages", "2", "--schedule", "1f1b")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "(step 4, resharded" in res.stdout, res.stdout[-2000:]

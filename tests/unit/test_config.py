@@ -182,3 +182,14 @@ def test_fp16_with_an_error_feedback_reduce_in_a_pipeline_is_accepted() -> None:
         precision="fp16", compression="powersgd:2", pipeline_stages=2, nproc_per_node=4
     )
     assert cfg.precision == "fp16" and cfg.compression == "powersgd:2"
+
+
+def test_a_checkpoint_failure_needs_a_step_that_writes_one() -> None:
+    """Checkpoints are written every ``checkpoint_every`` steps and after the last step: a
+    failure injected into the checkpoint of any other step is refused, naming what is valid."""
+    with pytest.raises(ConfigError, match="no checkpoint is written at step 2"):
+        TrainConfig(inject_failure="1:2:checkpoint", checkpoint_every=2, steps=9)
+    for step in (1, 7, 8):  # after steps 2, 8 (every 2), and 9 (the last)
+        cfg = TrainConfig(inject_failure=f"1:{step}:checkpoint", checkpoint_every=2, steps=9)
+        assert cfg.checkpoint_due(step + 1)
+    assert not TrainConfig(checkpoint_every=0, steps=9).checkpoint_due(9)
