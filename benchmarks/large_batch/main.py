@@ -62,6 +62,8 @@ def _run(model: str, name: str, batch: int, steps: int, recipe: dict[str, Any],
     args += [f"--optimizer={recipe['optimizer']}", f"--lr={recipe['lr']}"]
     args += [f"--warmup-steps={warmup}", f"--base-batch-size={a.base_batch}"]
     args += [f"--lr-scaling={recipe.get('scaling', 'none')}", f"--seed={a.seed}"]
+    if "weight_decay" in recipe:  # only when set, so earlier runs' arguments stay reusable
+        args += [f"--weight-decay={recipe['weight_decay']}"]
     args += [f"--eval-every={max(1, steps // 8)}", "--checkpoint-every=0"]
     args += [f"--log-every={max(1, steps // 20)}", f"--run-dir={run_dir}"]
     key = [x for x in args if not x.startswith("--run-dir=")]
@@ -138,6 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup-fraction", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--recipe-lrs", default=None, help="recipe base lrs to try, e.g. 0.01,0.02")
+    ap.add_argument(
+        "--recipe-weight-decay", type=float, default=None,
+        help="decoupled weight decay for the recipe's optimizer (LAMB/LARS; default: none)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--no-naive", action="store_true",
+        help="train only the base and the recipe (e.g. a follow-up sweep of the recipe)",
+    )  # fmt: skip
     ap.add_argument("--work", type=Path, default=Path("runs/bench-large-batch"))
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument(
@@ -168,15 +178,20 @@ def main(argv: list[str] | None = None) -> int:
             tried: list[dict[str, Any]] = []
             for lr in lrs:
                 recipe = dict(spec["recipe"], **({"lr": lr} if lr is not None else {}))
+                if a.recipe_weight_decay is not None:
+                    recipe["weight_decay"] = a.recipe_weight_decay
                 name = "recipe" if lr is None else f"recipe-lr{lr:g}"
+                if a.recipe_weight_decay is not None:
+                    name += f"-wd{a.recipe_weight_decay:g}"
                 tried.append(_run(model, name, batch, steps, recipe, warmup, a))
                 ok = [r for r in tried if "final_val_loss" in r] or tried
                 runs[f"recipe x{f}"] = min(ok, key=lambda r: r.get("final_val_loss", 1e30))
                 if len(lrs) > 1:
                     sweeps[f"recipe x{f}"] = tried
                 _save_partial(result, a)
-            runs[f"naive x{f}"] = _run(model, "naive", batch, steps, spec["naive"], 0, a)
-            _save_partial(result, a)
+            if not a.no_naive:
+                runs[f"naive x{f}"] = _run(model, "naive", batch, steps, spec["naive"], 0, a)
+                _save_partial(result, a)
         entry["gap_to_base"] = gaps = _gaps(runs)
         print(f"{model}: gaps to the base batch's final held-out loss: "
               + ", ".join(f"{k} {v:+.1%}" for k, v in gaps.items()), flush=True)  # fmt: skip
