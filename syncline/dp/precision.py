@@ -147,6 +147,19 @@ class LossScaler:
         self.skipped = int(state.get("skipped", 0))
 
 
+def unscale_and_flag(
+    bucket: torch.Tensor, inverse: float, flag: torch.Tensor | None
+) -> torch.Tensor:
+    """Multiply ``bucket`` by ``inverse`` (one over the loss scale) in place and replace any
+    inf or NaN (an fp16 overflow) by 0, so that a compressor with a residual never keeps one;
+    return ``flag`` or-ed with whether there was one. The flag stays a tensor (no host sync)
+    until the step's verdict reads it."""
+    bucket.mul_(inverse)
+    bad = torch.isfinite(bucket).all().logical_not()
+    torch.nan_to_num_(bucket, nan=0.0, posinf=0.0, neginf=0.0)
+    return bad if flag is None else flag.logical_or(bad)
+
+
 def scaler_summary(scaler: LossScaler | None) -> dict[str, Any]:
     """What a run summary says of fp16's scale: its last value and the steps it skipped."""
     if scaler is None:

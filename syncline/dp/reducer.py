@@ -25,6 +25,7 @@ from syncline.dp.autotune import BucketTuning
 from syncline.dp.compression import BucketRef, Compressor, NoCompression
 from syncline.dp.config import DataParallelConfig
 from syncline.dp.layout import GradBuffer
+from syncline.dp.precision import unscale_and_flag
 
 __all__ = ["Reducer", "StepState", "StepStats"]
 
@@ -266,13 +267,9 @@ class Reducer:
             st.next_bucket += 1
 
     def _unscale(self, bucket: torch.Tensor) -> None:
-        """Divide a bucket by the loss scale; an inf or NaN (an fp16 overflow) is noted in
-        ``overflow`` and replaced by 0, so that no compressor keeps it in a residual. No
-        host sync: the flag stays a tensor until the step's verdict reads it."""
-        bucket.mul_(self.grad_scale)
-        bad = torch.isfinite(bucket).all().logical_not()
-        self.overflow = bad if self.overflow is None else self.overflow.logical_or(bad)
-        torch.nan_to_num_(bucket, nan=0.0, posinf=0.0, neginf=0.0)
+        """Divide a bucket by the loss scale; an inf or NaN is zeroed and noted in
+        ``overflow`` (:func:`syncline.dp.precision.unscale_and_flag`)."""
+        self.overflow = unscale_and_flag(bucket, self.grad_scale, self.overflow)
 
     def finish_backward(self) -> None:
         """End of a synchronised backward: flush, wait, account, re-lay or re-cut if due."""

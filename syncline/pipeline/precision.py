@@ -42,7 +42,7 @@ import torch
 
 from syncline import comm
 from syncline.dp.compression import Compressor
-from syncline.dp.precision import LossScaler, autocast
+from syncline.dp.precision import LossScaler, autocast, unscale_and_flag
 
 __all__ = ["PipelinePrecision"]
 
@@ -112,11 +112,7 @@ class PipelinePrecision:
                 f"precision='fp16': REDUCE of batch {batch} before the loss-scale verdict of "
                 f"batch {self._next_verdict}; its scale is not known yet"
             )
-        bucket.mul_(1.0 / scale)
-        bad = torch.isfinite(bucket).all().logical_not()
-        flag = self._flags.get(batch)
-        self._flags[batch] = bad if flag is None else flag.logical_or(bad)
-        torch.nan_to_num_(bucket, nan=0.0, posinf=0.0, neginf=0.0)
+        self._flags[batch] = unscale_and_flag(bucket, 1.0 / scale, self._flags.get(batch))
 
     def _flagged(self, batch: int) -> bool:
         flag = self._flags.get(batch)
