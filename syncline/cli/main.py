@@ -21,6 +21,8 @@ from syncline.cli.options import add_config_options, values_from
 from syncline.cli.plan import add_plan_options, cmd_plan, plan_doc
 from syncline.cli.report import REPORT_DOC, add_report_options, cmd_report
 from syncline.errors import CommError, ConfigError
+from syncline.launch import devices
+from syncline.launch.devices import default_nproc_per_node, refuse_emulated_nccl, resolved_backend
 from syncline.registry import import_plugins
 from syncline.train.config import TrainConfig
 
@@ -29,8 +31,9 @@ _D = TrainConfig()  # defaults, shown in --help
 DESCRIPTION = """\
 Train a registered model with syncline's data parallelism, or as a pipeline
 (--pipeline-stages), launched through torchrun's elastic launcher. With no options: the GPT
-byte-level language model on the Python standard library's own source code, 2 local
-processes (gloo on CPU, NCCL on GPUs), about a minute or two.
+byte-level language model on the Python standard library's own source code, one local
+process per GPU with NCCL (each on cuda:LOCAL_RANK % GPUs), or 2 on the CPU with gloo, about
+a minute or two.
 
 Output: a progress line per logged step (loss, samples/s, tokens/s, bytes allreduced per
 step, ETA; redrawn in place on a terminal), a summary, and a run directory with
@@ -108,17 +111,10 @@ def _plugins_in(argv: Sequence[str]) -> list[str]:
     return found
 
 
-def _max_local_processes(backend: str) -> tuple[int, str]:
+def _max_local_processes(backend: str, gpus: int) -> tuple[int, str]:
     """How many ranks one node may start, and why (GPUs, or a bound on CPU oversubscription)."""
-    if backend in ("nccl", "auto"):
-        try:
-            import torch
-
-            gpus = torch.cuda.device_count()
-        except Exception:
-            gpus = 0
-        if gpus or backend == "nccl":
-            return gpus, f"{gpus} visible GPU(s)"
+    if resolved_backend(backend, gpus) == "nccl":
+        return gpus, f"{gpus} visible GPU(s)"
     cores = os.cpu_count() or 1
     return 8 * cores, f"8 x {cores} CPU core(s)"
 
@@ -139,14 +135,16 @@ def config_from_args(ns: argparse.Namespace, *, planning: bool = False) -> Train
     if "run_dir" not in values:
         model = values.get("model", _D.model)
         values["run_dir"] = f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{model}"
+    gpus, backend = devices.visible_gpus(), str(values.get("backend", _D.backend))
     if values.get("emulate_network") is not None:
-        _check_emulation(values["emulate_network"], values)
+        _check_emulation(values["emulate_network"], values, backend, gpus)
+    values.setdefault("nproc_per_node", default_nproc_per_node(backend, gpus))
     if values.get("tensorboard") and not planning:
         from syncline.train.tensorboard_log import check_available
 
         check_available()
-    limit, why = _max_local_processes(str(values.get("backend", _D.backend)))
-    nproc = values.get("nproc_per_node", _D.nproc_per_node)
+    limit, why = _max_local_processes(backend, gpus)
+    nproc = values["nproc_per_node"]
     if isinstance(nproc, int) and nproc > limit:
         raise ConfigError(f"nproc_per_node={nproc} is more than this node allows ({limit}: {why})")
     cfg = TrainConfig(**values)
@@ -244,10 +242,13 @@ def _resumed_values(given: dict[str, object]) -> dict[str, object]:
     return merged
 
 
-def _check_emulation(rate: str, values: dict[str, object]) -> None:
-    """Validate --emulate-network and turn a single node into one emulated node per rank."""
+def _check_emulation(rate: str, values: dict[str, object], backend: str, gpus: int) -> None:
+    """Validate --emulate-network and turn a single node into one emulated node per rank
+    (``--nproc-per-node`` ranks, default 2: the ranks are CPU ranks under gloo)."""
     from syncline.launch.netns import NetworkEmulationError, check_prerequisites, parse_rate
 
+    if resolved_backend(backend, gpus) == "nccl":  # before anything needs root
+        refuse_emulated_nccl(rate, "given" if backend == "nccl" else f"auto: {gpus} GPU(s)")
     parse_rate(rate)
     try:
         check_prerequisites()
@@ -256,7 +257,7 @@ def _check_emulation(rate: str, values: dict[str, object]) -> None:
     if values.get("rdzv_endpoint"):
         raise ConfigError("--emulate-network picks the rendezvous itself; drop --rdzv-endpoint")
     if values.get("nnodes", 1) == 1:
-        values["nnodes"] = values.get("nproc_per_node", _D.nproc_per_node)
+        values["nnodes"] = values.get("nproc_per_node", default_nproc_per_node(backend, gpus))
         values["nproc_per_node"] = 1
     values["rdzv_endpoint"] = "emulated:0"  # replaced by host 0's address at launch
 
@@ -321,6 +322,7 @@ def cmd_train_planned(argv: list[str], ns: argparse.Namespace) -> int:
     """``syncline train --plan auto``: plan, then train the best configuration that fits,
     and record the prediction beside the measurement in ``summary.json``."""
     from syncline.cli.plan import plan
+    from syncline.train.runs import peak_memory
 
     cfg = config_from_args(ns, planning=True)
     planner_ns = argparse.Namespace(
@@ -346,6 +348,7 @@ def cmd_train_planned(argv: list[str], ns: argparse.Namespace) -> int:
     if code == 0 and summary_path.is_file():
         summary = json.loads(summary_path.read_text())
         measured = summary.get("median_samples_per_s")
+        peaks, kind = peak_memory(summary)
         summary["plan"] = {
             "chosen": best["label"],
             "train_args": best["train_args"],
@@ -353,7 +356,8 @@ def cmd_train_planned(argv: list[str], ns: argparse.Namespace) -> int:
             "predicted_samples_per_s": best["predicted_samples_per_s"],
             "predicted_peak_bytes": best["predicted_peak_bytes"],
             "measured_step_s": (cfg.batch_size / measured) if measured else None,
-            "measured_peak_bytes": max(summary.get("peak_rss_bytes_per_rank") or [0]) or None,
+            "measured_peak_bytes": max(peaks or [0]) or None,
+            "measured_peak_kind": kind,
         }
         summary_path.write_text(json.dumps(summary, indent=2) + "\n")
     return code

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from syncline.errors import ConfigError
+from syncline.launch import devices
+from syncline.launch.devices import device_kind, resolved_backend
 
 
 def plan_doc() -> str:
@@ -100,8 +102,10 @@ def run_profile(cfg: Any, out: Path) -> Path:
             threads_per_rank=cfg.threads,
             log_dir=str(Path(tmp) / "logs"),
         )
+        backend = resolved_backend(cfg.backend, devices.visible_gpus())
         print(
-            f"syncline plan: profiling {cfg.model} on {cfg.world_size} rank(s)"
+            f"syncline plan: profiling {cfg.model} on {cfg.world_size} rank(s) "
+            f"({device_kind(backend)}, {backend})"
             + (f" over emulated {cfg.emulate_network} links" if cfg.emulate_network else ""),
             file=sys.stderr,
             flush=True,
@@ -112,7 +116,29 @@ def run_profile(cfg: Any, out: Path) -> Path:
             launch_emulated(spec, cfg.emulate_network, Path(tmp) / "logs")
         else:
             launch(spec)
+    print(profile_memory_line(json.loads(out.read_text())), file=sys.stderr, flush=True)
     return out
+
+
+def profile_memory_line(profile: dict[str, Any]) -> str:
+    """What ``plan --profile`` says of the memory it measured: each rank's peak over two
+    training steps, on the device it profiled (a profile of an earlier version: nothing).
+
+    Example:
+        >>> profile_memory_line({"measured": {"device": "cuda", "backend": "nccl",
+        ...     "peak_memory_kind": "cuda_max_allocated",
+        ...     "peak_memory_bytes_per_rank": [3 << 30, 3 << 30]}})[24:]
+        'on cuda (nccl): peak memory per rank 3.00, 3.00 GiB (cuda_max_allocated)'
+    """
+    measured = profile.get("measured", {})
+    peaks = measured.get("peak_memory_bytes_per_rank")
+    if not peaks:
+        return "syncline plan: the profile records no peak memory"
+    shown = ", ".join(f"{p / 2**30:.2f}" for p in peaks)
+    return (
+        f"syncline plan: profiled on {measured.get('device')} ({measured.get('backend')}): "
+        f"peak memory per rank {shown} GiB ({measured.get('peak_memory_kind')})"
+    )
 
 
 def _costs_for(cfg: Any, ns: argparse.Namespace, cluster: Any, profile: Path | None) -> Any:

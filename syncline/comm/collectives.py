@@ -16,7 +16,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from syncline.comm.groups import Group, backend_name, global_rank, group_rank, group_size
+from syncline.comm import groups as _groups
+from syncline.comm.device import comm_device
+from syncline.comm.groups import Group, global_rank, group_rank, group_size
 from syncline.errors import CommError, CommTimeout
 
 
@@ -27,7 +29,8 @@ class Pending:
     Attributes:
         works: the torch ``Work`` handles to wait for, in order.
         what: human description for errors, e.g. ``"allreduce of bucket 3 at step 17"``.
-        timeout_s: how long each wait may take.
+        timeout_s: how long each wait may take under gloo (elsewhere the process group's own
+            timeout applies, see :meth:`wait`); errors quote it.
         rank: the rank errors name: the global one (the one in logs and launcher messages),
             also for a subgroup, whose own numbering would point at another process.
         then: optional follow-up run once all works are done (e.g. decompression).
@@ -60,20 +63,26 @@ class Pending:
         return all(w.is_completed() for w in self.works) and all(d.is_done() for d in self.deps)
 
     def wait(self) -> None:
+        """Finish the operation, then run :attr:`then`.
+
+        gloo: each work is waited on the host for at most :attr:`timeout_s`, and a timeout
+        raises :class:`~syncline.errors.CommTimeout` naming the rank and :attr:`what`.
+        Other backends (NCCL): ``Work.wait()`` without a timeout, which for CUDA tensors
+        only makes the current stream wait for the collective's stream: the host goes on
+        queueing work (``then`` included, ordered after the collective on the stream)
+        instead of polling in a loop until the GPU is done. Such a wait cannot overrun: the
+        process group's own timeout, set when it was created
+        (:func:`~syncline.comm.groups.init_with_file_store`, ``new_group``), is enforced by
+        NCCL's watchdog, which aborts the communicator and raises.
+        """
         if self._done:
             return
+        timeout = datetime.timedelta(seconds=self.timeout_s) if _groups.is_gloo() else None
         for work in self.works:
             try:
-                ok = work.wait(datetime.timedelta(seconds=self.timeout_s))
+                ok = work.wait() if timeout is None else work.wait(timeout)
             except RuntimeError as exc:
-                text = str(exc)
-                first = text.splitlines()[0] if text else repr(exc)
-                if "imeout" in text or "imed out" in text:
-                    raise CommTimeout(
-                        f"rank {self.rank}: {self.what} did not complete within "
-                        f"{self.timeout_s:.0f}s: {first}"
-                    ) from exc
-                raise CommError(f"rank {self.rank}: {self.what} failed: {first}") from exc
+                raise _groups.comm_error(self.rank, self.what, exc, self.timeout_s) from exc
             if ok is False:
                 raise CommTimeout(
                     f"rank {self.rank}: {self.what} did not complete within {self.timeout_s:.0f}s"
@@ -167,24 +176,107 @@ class FlatAllreduce:
 
 
 def allreduce_sparse(
-    tensor: torch.Tensor, *, group: Group = None, what: str, timeout_s: float = 300.0
+    tensor: torch.Tensor,
+    *,
+    group: Group = None,
+    what: str,
+    timeout_s: float = 300.0,
+    by_allgather: bool | None = None,
 ) -> Pending:
-    """Sum a sparse COO ``tensor`` over all ranks, in place (its indices and values change).
+    """Sum a sparse COO ``tensor`` over all ranks, in place (its indices and values change;
+    the result is coalesced).
 
     Sparse gradients (``nn.Embedding(sparse=True)``) cannot join a dense bucket; as DDP, each
-    is reduced on its own. gloo allgathers every rank's indices and values and sums them; a
-    backend without sparse collectives (NCCL) fails here with the backend's message.
+    is reduced on its own. gloo has a sparse ``all_reduce`` (it allgathers every rank's
+    indices and values and sums them on the host). Stock NCCL has none ("NCCL does not
+    support all_reduce with sparse tensors", which is where DDP stops), so on every backend
+    but gloo the same algorithm runs here over dense allgathers on the communication device
+    (:func:`_sparse_by_allgather`), and gives gloo's result bit for bit.
+
+    Args:
+        by_allgather: force the allgather algorithm (``True``, as tests do on gloo) or
+            gloo's own (``False``); ``None``: by the group's backend.
     """
     if not tensor.is_sparse:
         raise ValueError(f"{what}: allreduce_sparse needs a sparse COO tensor, got {tensor.layout}")
-    nbytes = tensor._indices().numel() * 8 + tensor._values().numel() * tensor.element_size()
     if group_size(group) == 1:
         return completed(what)
+    if by_allgather is None:
+        by_allgather = not _groups.is_gloo(group)
+    if by_allgather:
+        return _sparse_by_allgather(tensor, group, what, timeout_s)
+    nbytes = tensor._indices().numel() * 8 + tensor._values().numel() * tensor.element_size()
     try:
         work = dist.all_reduce(tensor, group=group, async_op=True)
     except RuntimeError as exc:
         raise CommError(f"rank {global_rank()}: {what} could not start: {exc}") from exc
     return Pending([work], what, timeout_s, global_rank(), wire_bytes=nbytes)
+
+
+def _sparse_by_allgather(
+    tensor: torch.Tensor, group: Group, what: str, timeout_s: float
+) -> Pending:
+    """gloo's sparse allreduce over dense collectives (``ProcessGroupGloo``'s
+    ``AsyncSparseAllreduceWork``): coalesce locally; allgather every rank's ``nnz``; allgather
+    the indices and values padded to the largest ``nnz``; then concatenate the ranks' parts in
+    rank order and coalesce, as gloo sums them, so the result is gloo's bit for bit.
+
+    The sizes are read on the host (one sync): the only way to size the padded buffers, as
+    in gloo. It happens at the end of backward, once per sparse parameter.
+    """
+    local = tensor.coalesce()
+    size = group_size(group)
+    dev = comm_device(_groups.backend_name(group), tensor.device)
+    flat = FlatAllreduce(group, timeout_s=timeout_s)
+    indices, values = local._indices().to(dev), local._values().to(dev)
+    nnz = indices.shape[1]
+    counts = torch.full((1,), nnz, dtype=torch.int64, device=dev)
+    pending, gathered = flat.allgather(counts, f"{what} (sizes)")
+    pending.wait()
+    sizes = [int(n) for n in host_list(torch.cat(gathered), meta=[nnz] * size)]
+    most = max(sizes)
+    if most == 0:  # every rank's gradient is empty; so is the sum
+        tensor.copy_(local)
+        return completed(what)
+    padded_i = indices.new_zeros((indices.shape[0], most))
+    padded_i[:, :nnz] = indices
+    padded_v = values.new_zeros((most, *values.shape[1:]))
+    padded_v[:nnz] = values
+    got_i, all_i = flat.allgather(padded_i, f"{what} (indices)")
+    got_v, all_v = flat.allgather(padded_v, f"{what} (values)")
+
+    def total() -> None:
+        cat_i = torch.cat([t[:, :n] for t, n in zip(all_i, sizes, strict=True)], dim=1)
+        cat_v = torch.cat([t[:n] for t, n in zip(all_v, sizes, strict=True)])
+        # every part came from a coalesced tensor of this shape on its rank: no checks needed
+        summed = torch.sparse_coo_tensor(
+            cat_i, cat_v, tensor.shape, check_invariants=False
+        ).coalesce()
+        tensor.copy_(summed.to(tensor.device))
+
+    return Pending(
+        got_i.works + got_v.works,
+        what,
+        timeout_s,
+        global_rank(),
+        then=total,
+        wire_bytes=8 + padded_i.numel() * 8 + padded_v.numel() * padded_v.element_size(),
+    )
+
+
+def host_list(tensor: torch.Tensor, *, meta: list[Any]) -> list[Any]:
+    """``tensor.tolist()``: the values a collective delivered, read on the host (one sync;
+    never in a steady-state step). A tensor on the ``meta`` device has no values: there
+    (tests that run a model on ``meta`` with torch's ``fake`` backend, which delivers
+    nothing) ``meta`` stands in, what this rank would read if every rank were like it,
+    unless a test's instrumentation answers the read itself (and records it).
+    """
+    try:
+        return list(tensor.tolist())
+    except (RuntimeError, NotImplementedError):
+        if tensor.device.type != "meta":
+            raise
+        return list(meta)
 
 
 def broadcast_tensors_async(
@@ -281,30 +373,47 @@ def broadcast_tensors(
     broadcast_tensors_async(tensors, src=src, group=group, what=what).wait()
 
 
+def _payload_device(group: Group, device: torch.device | None) -> torch.device:
+    """Where the serialised payloads travel: the communication device of ``group``'s backend
+    for a rank computing on ``device`` (the CPU when not given: so under NCCL, the current
+    CUDA device, since NCCL takes CUDA tensors only)."""
+    return comm_device(_groups.backend_name(group), device or torch.device("cpu"))
+
+
 def _padded_payloads(
     obj: Any, group: Group, what: str, timeout_s: float, device: torch.device | None
 ) -> tuple[torch.Tensor, list[int]]:
     """``obj`` serialised (``torch.save``) into a uint8 tensor padded to the longest payload
-    of the group, and every rank's payload length (allgathered first)."""
+    of the group, on the communication device, and every rank's payload length (allgathered
+    first, then read on the host)."""
     buf = io.BytesIO()
     torch.save(obj, buf)
     data = buf.getvalue()
-    dev = torch.device("cpu") if device is None else device
-    length = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+    dev = _payload_device(group, device)
+    length = torch.full((1,), len(data), dtype=torch.int64, device=dev)
     pending, lengths = FlatAllreduce(group, timeout_s=timeout_s).allgather(
         length, f"{what} (sizes)"
     )
     pending.wait()
-    sizes = [int(t.item()) for t in lengths]
+    sizes = [int(n) for n in host_list(torch.cat(lengths), meta=[len(data)] * len(lengths))]
     padded = torch.zeros(max(sizes), dtype=torch.uint8, device=dev)
     padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return padded, sizes
 
 
-def _loaded(payloads: Sequence[torch.Tensor], sizes: list[int]) -> list[Any]:
-    """The objects :func:`_padded_payloads` serialised, back from the gathered tensors."""
+def _loaded(payloads: Sequence[torch.Tensor], sizes: list[int], mine: Any) -> list[Any]:
+    """The objects :func:`_padded_payloads` serialised, back from the gathered tensors.
+
+    Tensors inside come back on the CPU (``map_location``): a peer's ``cuda:1`` may not
+    exist in this process (one visible GPU per rank), and where it does it is not this
+    rank's device. On ``meta`` (see :func:`host_list`) every rank's object is ``mine``.
+    """
+    if payloads and payloads[0].device.type == "meta":
+        return [mine for _ in payloads]
     return [
-        torch.load(io.BytesIO(t[:n].cpu().numpy().tobytes()), weights_only=False)
+        torch.load(
+            io.BytesIO(t[:n].cpu().numpy().tobytes()), map_location="cpu", weights_only=False
+        )
         for t, n in zip(payloads, sizes, strict=True)
     ]
 
@@ -321,8 +430,10 @@ def gather_objects(
     """Gather one object from every rank of ``group`` to ``dst`` (a rank *within* ``group``).
 
     For end-of-run results (stage weights, traces, memory statistics), not for the hot path.
-    Objects go through ``torch.save``, so tensors keep dtype and shape; the sizes are
-    allgathered first, then the padded payloads gathered in one message per rank. Unlike
+    Objects go through ``torch.save``, so tensors keep dtype and shape (and come back on the
+    CPU); the sizes are allgathered first, then the padded payloads gathered in one message
+    per rank, on the communication device of the group's backend for a rank computing on
+    ``device`` (default: the CPU's, i.e. the current CUDA device under NCCL). Unlike
     ``dist.gather_object`` every wait has ``timeout_s`` and names ``what`` when it fails.
 
     Returns:
@@ -342,7 +453,7 @@ def gather_objects(
     except RuntimeError as exc:
         raise CommError(f"rank {rank}: {what} could not start: {exc}") from exc
     Pending([] if work is None else [work], what, timeout_s, rank, wire_bytes=sizes[rank]).wait()
-    return None if out is None else _loaded(out, sizes)
+    return None if out is None else _loaded(out, sizes, obj)
 
 
 def allgather_objects(
@@ -357,8 +468,8 @@ def allgather_objects(
 
     For construction-time checks that every rank must fail together (the data-parallel
     engine's parameter comparison), not for the hot path. As :func:`gather_objects`: sizes
-    first, then the padded payloads (on ``device``: NCCL needs GPU tensors); each wait has
-    ``timeout_s`` and names ``what``.
+    first, then the padded payloads (on the communication device for ``device``); each wait
+    has ``timeout_s`` and names ``what``.
 
     Raises:
         CommError, CommTimeout: a peer failed or did not take part in time.
@@ -368,7 +479,7 @@ def allgather_objects(
     padded, sizes = _padded_payloads(obj, group, what, timeout_s, device)
     pending, out = FlatAllreduce(group, timeout_s=timeout_s).allgather(padded, what)
     pending.wait()
-    return _loaded(out, sizes)
+    return _loaded(out, sizes, obj)
 
 
 def with_lane(flat: FlatAllreduce) -> FlatAllreduce:
@@ -377,9 +488,18 @@ def with_lane(flat: FlatAllreduce) -> FlatAllreduce:
 
     A collective call: every rank of the job enters it. Made only for the default group
     (``dist.new_group`` must be entered by every rank of the job, which a wrapper over a
-    subgroup cannot promise) on gloo. NCCL is left without one: its kernels of two
-    communicators issued in different orders on different ranks can wait on each other on
-    the GPU, and NCCL asks for one issue order across communicators.
+    subgroup cannot promise) on gloo.
+
+    Not under NCCL, on purpose. A lane's collectives are issued when a first-phase
+    collective is seen done (:meth:`Pending.is_done`), a moment that differs across ranks,
+    so the order of the two communicators' launches differs across ranks too. NCCL asks
+    for one launch order across communicators that share a GPU ("Using multiple NCCL
+    communicators concurrently" in NCCL's documentation): each collective's kernel waits on
+    the GPU for its peers, and two kernels queued in opposite orders on two ranks can each
+    hold the resources the other needs, a hang no timeout names. Nor is a lane needed
+    there: under NCCL :meth:`Pending.wait` is a stream wait that returns at once, so a
+    compressor can issue its second phase right after the first in program order, on one
+    communicator, and the GPU orders them; the host never blocks inside a gradient hook.
 
     Every call makes a new group, on purpose: a lane shared by two engines whose backward
     passes interleave (two DataParallel modules in one autograd graph) would carry both
@@ -389,7 +509,7 @@ def with_lane(flat: FlatAllreduce) -> FlatAllreduce:
     group = flat._group
     if flat.lane is not None or flat.world_size == 1:
         return flat
-    if group not in (None, dist.GroupMember.WORLD) or backend_name(group) != "gloo":
+    if group not in (None, dist.GroupMember.WORLD) or not _groups.is_gloo(group):
         return flat
     timeout = datetime.timedelta(seconds=flat.timeout_s)
     lane_group = dist.new_group(list(range(dist.get_world_size())), timeout=timeout)

@@ -9,15 +9,18 @@ from __future__ import annotations
 import datetime
 import os
 
+import torch
 import torch.distributed as dist
 
+from syncline.comm.device import comm_device
 from syncline.comm.topology import PipelineLayout, Ranks
-from syncline.errors import CommError, ConfigError
+from syncline.errors import CommError, CommTimeout, ConfigError
 
 #: A process group handle; ``None`` means the default (world) group, as in torch.
 Group = dist.ProcessGroup | None
 
 _BACKENDS = ("gloo", "nccl")
+_CPU = torch.device("cpu")
 
 
 def _check_backend(backend: str) -> None:
@@ -176,14 +179,75 @@ def build_pipeline_groups(num_stages: int, *, timeout_s: float = 300.0) -> tuple
     return mine["pipeline"], mine["data_parallel"]
 
 
-def barrier(group: Group = None, *, timeout_s: float | None = None, what: str = "barrier") -> None:
-    """A barrier that names the rank and purpose when it times out."""
+def is_gloo(group: Group = None) -> bool:
+    """Whether ``group`` runs on gloo (the host-side backend; also when no group is running).
+
+    Every branch between gloo-only calls (``monitored_barrier``, sparse ``all_reduce``, timed
+    host waits) and the rest goes through here, so a test can take the other branch by
+    replacing :func:`backend_name`.
+    """
+    return backend_name(group) == "gloo"
+
+
+def comm_error(rank: int, what: str, exc: BaseException, timeout_s: float | None) -> CommError:
+    """``exc`` from torch.distributed as a :class:`CommError` naming ``rank`` and ``what``;
+    a :class:`CommTimeout` when the backend says it timed out."""
+    text = str(exc)
+    first = text.splitlines()[0] if text else repr(exc)
+    if timeout_s is not None and ("imeout" in text or "imed out" in text):
+        return CommTimeout(f"rank {rank}: {what} did not complete within {timeout_s:.0f}s: {first}")
+    return CommError(f"rank {rank}: {what} failed: {first}")
+
+
+def barrier(
+    group: Group = None,
+    *,
+    timeout_s: float | None = None,
+    what: str = "barrier",
+    device: torch.device | None = None,
+) -> None:
+    """Wait on the host until every rank of ``group`` arrives; name the rank and ``what`` when
+    that fails or takes longer than ``timeout_s`` (``None``: the group's own timeout).
+
+    gloo: ``monitored_barrier`` (it also names the ranks that did not arrive). It raises
+    ``ValueError`` on every other backend, and NCCL's own ``dist.barrier`` guesses its device
+    from the rank unless the group was bound to one; so elsewhere the barrier is a sum of one
+    element on ``device`` (default: the group's bound device, else where :func:`comm_device`
+    puts this backend's tensors), waited on the host.
+
+    Raises:
+        CommError: a peer failed; CommTimeout: ``timeout_s`` passed first.
+    """
     if group_size(group) == 1:
         return
     try:
-        if timeout_s is None:
-            dist.barrier(group=group)
+        if is_gloo(group):
+            if timeout_s is None:
+                dist.barrier(group=group)
+            else:
+                dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout_s))
         else:
-            dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as exc:
-        raise CommError(f"rank {group_rank(group)}: {what} failed: {exc}") from exc
+            _allreduce_barrier(group, timeout_s, device)
+    except (RuntimeError, ValueError) as exc:
+        raise comm_error(global_rank(), what, exc, timeout_s) from exc
+
+
+def _allreduce_barrier(group: Group, timeout_s: float | None, device: torch.device | None) -> None:
+    """The barrier of a backend without ``monitored_barrier`` (NCCL): a one-element sum.
+
+    With a timeout, ``Work.wait(timeout)`` polls on the host until the collective completes
+    (NCCL) or the time is up; without one, ``Work.wait()`` under NCCL only makes the current
+    stream wait, so the host then waits for that stream.
+    """
+    if device is None:
+        pg = dist.GroupMember.WORLD if group is None else group
+        bound = getattr(pg, "bound_device_id", None)
+        device = bound if bound is not None else comm_device(backend_name(group), _CPU)
+    token = torch.zeros(1, dtype=torch.int32, device=device)
+    work = dist.all_reduce(token, group=group, async_op=True)
+    if timeout_s is None:
+        work.wait()
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+    elif work.wait(datetime.timedelta(seconds=timeout_s)) is False:
+        raise RuntimeError(f"barrier timed out after {timeout_s:.0f}s")

@@ -35,7 +35,16 @@ first ``wait()`` on a queued job finishes the whole queue, blocking, in the same
 collectives are issued from the caller's thread; no callback thread issues anything. A
 rank's polls see completions at other moments than its peers', but that changes only *when*
 it issues each group's next collective, never their order within the group, which is all a
-process group needs.
+process group needs on gloo.
+
+NCCL forbids even that: its communicators share the GPU, and collectives issued on several
+communicators in an order that differs between ranks can hang (NCCL's documentation asks
+for one order on every rank). So with any backend but gloo, ``allreduce()`` issues all
+three phases of a tensor at once, in bucket order, each after ``work.wait()`` on the one
+before: on NCCL that makes the current CUDA stream wait for the previous phase (no host
+block), and the next collective, queued behind that stream, starts when it is done. Every
+rank then issues the same sequence on every communicator, and the overlap comes from the
+streams instead of from polling; :meth:`HierarchicalAllreduce.poll` has nothing to do.
 """
 
 from __future__ import annotations
@@ -122,6 +131,7 @@ class HierarchicalAllreduce:
         self._inter: Group = None
         self._gather: Group = None  # phase 3's own intra-node group (see the docstring)
         self._scatter_as_allreduce = False
+        self._at_once = False  # NCCL: every phase issued at launch (see the module docstring)
         self._queue: list[_Job] = []
         #: jobs whose phase 2 (phase 3) was started by :meth:`poll`, before any wait
         self.early_starts = {2: 0, 3: 0}
@@ -180,6 +190,7 @@ class HierarchicalAllreduce:
         self._gather = self._make_phase("gather", layouts, rank)
         if not self.is_flat:
             self._scatter_as_allreduce = backend_name(self._intra) == "gloo"
+            self._at_once = not self._scatter_as_allreduce
         self._flat = FlatAllreduce(self._group, timeout_s=self._timeout_s)
         return self
 
@@ -248,7 +259,10 @@ class HierarchicalAllreduce:
                     job.shard, full, group=self._intra, async_op=True
                 ),
             )
-        self._queue.append(job)
+        if self._at_once:
+            self._issue_all(job)
+        else:
+            self._queue.append(job)
 
         sent = hierarchical_allreduce_bytes(
             s * k * tensor.element_size(),
@@ -298,6 +312,14 @@ class HierarchicalAllreduce:
         shard = job.shard.clone() if self._scatter_as_allreduce else job.shard
         return lambda: dist.all_gather_single(job.full, shard, group=self._gather, async_op=True)
 
+    def _issue_all(self, job: _Job) -> None:
+        """NCCL: phases 2 and 3 now, each queued behind the one before on the stream (the
+        wait of :meth:`_wait` is a stream wait there, see ``Pending.wait``)."""
+        for launch in (self._launch_inter, self._launch_gather):
+            self._wait(job)
+            self._start(job, launch(job))
+            job.phase += 1
+
     def _wait(self, job: _Job) -> None:
         phase = _PHASES[job.phase]
         Pending(job.works, f"{job.what} ({phase})", self._timeout_s, group_rank()).wait()
@@ -310,11 +332,7 @@ class HierarchicalAllreduce:
         elif job.phase == 2:
             self._start(job, self._launch_gather(job))
         else:
-            if not job.in_place:
-                with torch.no_grad():
-                    n = job.tensor.numel()
-                    job.tensor.copy_(job.full[:n].view(job.tensor.shape))
-            job.done = True
+            self._copy_back(job)
             return
         job.phase += 1
 
@@ -337,10 +355,22 @@ class HierarchicalAllreduce:
             raise
 
     def _finish(self, job: _Job) -> None:
+        if self._at_once and not job.done:
+            self._wait(job)
+            self._copy_back(job)
+            return
         if not job.done and job.error is None:
             self._drain()
         if job.error is not None:
             raise job.error
+
+    @staticmethod
+    def _copy_back(job: _Job) -> None:
+        if not job.in_place:
+            with torch.no_grad():
+                n = job.tensor.numel()
+                job.tensor.copy_(job.full[:n].view(job.tensor.shape))
+        job.done = True
 
     def _drain(self) -> None:
         """Finish every queued job, blocking: each phase in launch order, jobs in lock step."""

@@ -15,10 +15,29 @@ The caller picks the tag ``t`` so that every message in flight between two ranks
 in the header catches a mix-up at once instead of corrupting data). Every wait has a timeout
 and fails with a :class:`~syncline.errors.CommError` that names this rank and ``what``
 (e.g. ``"RECV_F mb 3 of step 7 from rank 0"``).
+
+Batches (:meth:`PointToPoint.batch`): the sends and receives one rank issues at one point of
+a schedule go out as ONE ``batch_isend_irecv`` group. Under NCCL all traffic between two
+ranks shares one communicator, matched in issue order, and a send larger than NCCL's eager
+buffer waits for its receive; two ranks whose next operations are both large sends to each
+other (1F1B: rank 0's ``SEND_F`` of micro-batch 1, rank 1's ``SEND_B`` of micro-batch 0)
+deadlock when each is issued alone, and do not when each rank's sends and receives launch
+together (torch.distributed.pipelining does the same). NCCL coalesces a group into one
+work, so waiting for any receive of a group waits for the whole group.
+
+Waits go through :meth:`syncline.comm.collectives.Pending.wait`: on gloo the host waits at
+most ``timeout_s``; under NCCL the current CUDA stream waits for the communication and the
+host goes on (the process group's own timeout, its watchdog, bounds the wait there).
+
+``ordered``: every message goes with one wire tag, so gloo matches messages in posting order
+per pair of ranks, as NCCL does; tests run the NCCL protocol on gloo with it, where a
+mismatch of orders fails (gloo aborts on a message of another size) instead of being hidden
+by tags.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +47,15 @@ from syncline.comm.collectives import Pending
 from syncline.comm.groups import Group, group_rank
 from syncline.errors import CommError
 
-__all__ = ["MAX_DIMS", "MAX_TAG", "PointToPoint", "Receive", "decode_header", "encode_header"]
+__all__ = [
+    "MAX_DIMS",
+    "MAX_TAG",
+    "Op",
+    "PointToPoint",
+    "Receive",
+    "decode_header",
+    "encode_header",
+]
 
 MAX_DIMS = 8
 #: largest tag a caller may pass (the wire uses ``2 * tag + 1``; gloo tags are 32-bit)
@@ -82,6 +109,25 @@ def decode_header(header: torch.Tensor, tag: int) -> tuple[torch.dtype, tuple[in
     return _DTYPES[code], tuple(values[4 : 4 + ndim])
 
 
+@dataclass(frozen=True)
+class Op:
+    """One operation of a :meth:`PointToPoint.batch`.
+
+    Attributes:
+        send: ``True`` to send ``tensor`` to ``peer``, ``False`` to receive into it.
+        tensor: the payload (contiguous), or the receive buffer.
+        peer: the other rank, within the group.
+        tag: as for :meth:`PointToPoint.send`.
+        header: the shape header of message ``tag`` instead of its payload.
+    """
+
+    send: bool
+    tensor: torch.Tensor
+    peer: int
+    tag: int
+    header: bool = False
+
+
 @dataclass
 class Receive:
     """A receive posted ahead of its use (see :meth:`PointToPoint.expect`).
@@ -98,6 +144,8 @@ class Receive:
     header_work: dist.Work | None = None
     payload: torch.Tensor | None = None
     payload_work: dist.Work | None = None
+    #: the :meth:`PointToPoint.batch` that carries the payload (waited on as a whole)
+    batch: Pending | None = None
 
 
 class PointToPoint:
@@ -106,7 +154,9 @@ class PointToPoint:
     Args:
         group: the process group; ranks below are ranks *within* it.
         timeout_s: how long any one wait may take.
-        device: where received tensors are allocated (``cuda`` for NCCL).
+        device: where received tensors are allocated: the group's communication device
+            (:func:`syncline.comm.device.comm_device`; ``cuda`` for NCCL).
+        ordered: one wire tag for every message (see the module docstring).
 
     Example:
         >>> p2p = PointToPoint(group, timeout_s=30)
@@ -121,12 +171,14 @@ class PointToPoint:
         *,
         timeout_s: float = 300.0,
         device: torch.device | str = "cpu",
+        ordered: bool = False,
     ) -> None:
         if timeout_s <= 0:
             raise CommError(f"timeout_s={timeout_s} must be > 0")
         self._group = group
         self._timeout_s = float(timeout_s)
         self._device = torch.device(device)
+        self.ordered = ordered
 
     @property
     def rank(self) -> int:
@@ -135,6 +187,31 @@ class PointToPoint:
     @property
     def timeout_s(self) -> float:
         return self._timeout_s
+
+    @property
+    def group(self) -> Group:
+        return self._group
+
+    @property
+    def device(self) -> torch.device:
+        """Where received tensors are allocated."""
+        return self._device
+
+    def _wire(self, tag: int, header: bool) -> int:
+        """The tag on the wire of message ``tag``'s header or payload."""
+        return 0 if self.ordered else 2 * tag + (0 if header else 1)
+
+    def pending(
+        self,
+        works: Sequence[dist.Work | None],
+        what: str,
+        keep: Callable[[], None] | None = None,
+        wire_bytes: int = 0,
+    ) -> Pending:
+        """``works`` as one :class:`Pending` (see the module docstring); ``keep`` is a
+        follow-up that holds buffers alive until they are done."""
+        started = [w for w in works if w is not None]
+        return Pending(started, what, self._timeout_s, self.rank, keep, wire_bytes)
 
     def _peer(self, rank: int) -> int:
         return rank if self._group is None else dist.get_global_rank(self._group, rank)
@@ -168,17 +245,41 @@ class PointToPoint:
         peer = self._peer(dst)
         try:
             works = [
-                dist.isend(b, peer, group=self._group, tag=2 * tag + (b is payload))
+                dist.isend(b, peer, group=self._group, tag=self._wire(tag, b is not payload))
                 for b in buffers
             ]
         except RuntimeError as exc:
             raise CommError(f"rank {self.rank}: {what} could not start: {exc}") from exc
+        return self.pending(works, what, _keeper(buffers), payload.nbytes)
 
-        def keep_alive(buffers: tuple[torch.Tensor, ...] = buffers) -> None:
-            del buffers  # referenced only so that the memory outlives the sends
+    def batch(self, ops: Sequence[Op], what: str) -> Pending:
+        """Issue ``ops`` as one ``batch_isend_irecv`` group (see the module docstring), in
+        their order; returns at once. Wait on the result before reading a received buffer
+        or reusing a sent one; its ``wire_bytes`` counts the payloads sent.
 
-        started = [w for w in works if w is not None]
-        return Pending(started, what, self._timeout_s, self.rank, keep_alive, payload.nbytes)
+        Raises:
+            CommError: the group could not start (naming ``what``).
+        """
+        if not ops:
+            return self.pending([], what)
+        for op in ops:
+            self._check_tag(op.tag)
+        group = [
+            dist.P2POp(
+                dist.isend if op.send else dist.irecv,
+                op.tensor,
+                self._peer(op.peer),
+                self._group,
+                self._wire(op.tag, op.header),
+            )
+            for op in ops
+        ]
+        try:
+            works = dist.batch_isend_irecv(group)
+        except RuntimeError as exc:
+            raise CommError(f"rank {self.rank}: {what} could not start: {exc}") from exc
+        sent = sum(op.tensor.nbytes for op in ops if op.send and not op.header)
+        return self.pending(works, what, _keeper(tuple(op.tensor for op in ops)), sent)
 
     def expect(
         self,
@@ -203,10 +304,10 @@ class PointToPoint:
         handle = Receive(src, tag, what)
         if like is not None:
             handle.payload = torch.empty(like[0], dtype=like[1], device=self._device)
-            handle.payload_work = self._post(handle.payload, src, 2 * tag + 1, what)
+            handle.payload_work = self._post(handle.payload, src, self._wire(tag, False), what)
         else:
-            handle.header = torch.empty(4 + MAX_DIMS, dtype=torch.int64, device=self._device)
-            handle.header_work = self._post(handle.header, src, 2 * tag, what)
+            handle.header = empty_header(self._device)
+            handle.header_work = self._post(handle.header, src, self._wire(tag, True), what)
         return handle
 
     def progress(self, handle: Receive) -> None:
@@ -241,6 +342,10 @@ class PointToPoint:
                 f"rank {self.rank}: {what}: the receive posted is for rank {expected.src} tag "
                 f"{expected.tag}"
             )
+        if expected.batch is not None:  # issued in a batch: waiting waits for all of it
+            expected.batch.wait()
+            assert expected.payload is not None
+            return expected.payload
         if expected.payload is None:
             self._wait(expected.header_work, what)
             self._post_payload(expected)
@@ -248,15 +353,24 @@ class PointToPoint:
         assert expected.payload is not None
         return expected.payload
 
-    def _post_payload(self, handle: Receive) -> None:
+    def read_header(self, handle: Receive) -> tuple[torch.dtype, tuple[int, ...]]:
+        """What the header received into ``handle.header`` announces (a host sync: the
+        header is read on the CPU).
+
+        Raises:
+            CommError: not a header, or one for another tag.
+        """
         assert handle.header is not None
         try:
-            dtype, shape = decode_header(handle.header.cpu(), handle.tag)
+            return decode_header(handle.header.cpu(), handle.tag)
         except CommError as exc:
             raise CommError(f"rank {self.rank}: {handle.what}: {exc}") from None
+
+    def _post_payload(self, handle: Receive) -> None:
+        dtype, shape = self.read_header(handle)
         handle.payload = torch.empty(shape, dtype=dtype, device=self._device)
         handle.payload_work = self._post(
-            handle.payload, handle.src, 2 * handle.tag + 1, handle.what
+            handle.payload, handle.src, self._wire(handle.tag, False), handle.what
         )
 
     def _post(self, buffer: torch.Tensor, src: int, tag: int, what: str) -> dist.Work | None:
@@ -266,4 +380,16 @@ class PointToPoint:
             raise CommError(f"rank {self.rank}: {what} could not start: {exc}") from exc
 
     def _wait(self, work: dist.Work | None, what: str) -> None:
-        Pending([] if work is None else [work], what, self._timeout_s, self.rank).wait()
+        self.pending([work], what).wait()
+
+
+def empty_header(device: torch.device) -> torch.Tensor:
+    """A buffer to receive a header into."""
+    return torch.empty(4 + MAX_DIMS, dtype=torch.int64, device=device)
+
+
+def _keeper(buffers: tuple[torch.Tensor, ...]) -> Callable[[], None]:
+    def keep_alive(buffers: tuple[torch.Tensor, ...] = buffers) -> None:
+        del buffers  # referenced only so that the memory outlives the operations
+
+    return keep_alive

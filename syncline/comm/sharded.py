@@ -143,7 +143,10 @@ def load_sharded(directory: Path, keys: Iterable[str], *, group: Group) -> dict[
             f"{directory} lacks {len(missing)} entr{'y' if len(missing) == 1 else 'ies'} "
             f"this run needs: {missing[:5]}"
         )
-    out = {k: torch.empty(index[k][0], dtype=index[k][1]) for k in wanted}
+    # host tensors DCP reads the files into (its own collectives exchange only plans); the
+    # caller moves what it needs to its device
+    cpu = torch.device("cpu")
+    out = {k: torch.empty(index[k][0], dtype=index[k][1], device=cpu) for k in wanted}
     dcp.load(out, storage_reader=_SafeReader(str(directory)), process_group=group)
     return out
 
@@ -156,9 +159,12 @@ def pack_object(obj: Any) -> torch.Tensor:
 
 
 def unpack_object(blob: torch.Tensor, what: str) -> Any:
-    """The inverse of :func:`pack_object`, with ``weights_only=True``: code never runs."""
+    """The inverse of :func:`pack_object`, with ``weights_only=True``: code never runs.
+    Tensors inside come back on the CPU (``map_location``), so a checkpoint written on a GPU
+    reads on a host without one."""
     try:
-        return torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+        data = blob.detach().cpu().numpy().tobytes()
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(

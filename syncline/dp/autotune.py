@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from syncline.comm.collectives import Collective
+from syncline.comm.collectives import Collective, host_list
 from syncline.dp.buckets import BucketPlan
 from syncline.dp.config import DataParallelConfig
 from syncline.dp.layout import GradBuffer
@@ -54,6 +54,8 @@ class BucketTuning:
         config: the engine's settings (``autotune_buckets`` and the ``tune_*`` fields).
         buffer: the flat buffer whose buckets are re-cut; its ``caps`` end as the choice's.
         collective: the engine's collective, through which the ranks' times are combined.
+        device: where the times travel (the communication device of the collective's group;
+            default: the buffer's device).
 
     Attributes:
         result: ``None`` until decided; then the choice and every candidate's measurements
@@ -61,11 +63,16 @@ class BucketTuning:
     """
 
     def __init__(
-        self, config: DataParallelConfig, buffer: GradBuffer, collective: Collective
+        self,
+        config: DataParallelConfig,
+        buffer: GradBuffer,
+        collective: Collective,
+        device: torch.device | None = None,
     ) -> None:
         self.config = config
         self.buffer = buffer
         self.collective = collective
+        self.device = buffer.device if device is None else device
         self.result: dict[str, Any] | None = None
         self._tuner: _Tuner | None = None
 
@@ -138,20 +145,21 @@ class BucketTuning:
         return _Tuner(cands, plans, schedule, racing=list(range(len(cands))))
 
     def _gather_times(self, tuner: _Tuner, step: int) -> list[list[float]]:
-        """Every rank's times so far, combined per step (the same on every rank)."""
+        """Every rank's times so far, combined per step (the same on every rank).
+
+        Twice per tuning (after the screening and at the end), never once it is decided:
+        the times are read back on the host, where the choice is made.
+        """
         lengths = [len(s) for s in tuner.samples]  # the same on every rank: same schedule
-        mine = torch.tensor(
-            [x for s in tuner.samples for x in s],
-            dtype=torch.float64,
-            device=self.buffer.device,
-        )
+        local = [x for s in tuner.samples for x in s]
+        mine = torch.tensor(local, dtype=torch.float64, device=self.device)
         pending, gathered = self.collective.allgather(
             mine, f"bucket tuning measurements at step {step}"
         )
         pending.wait()
         per_rank = []
         for g in gathered:
-            flat, rows, at = g.tolist(), [], 0
+            flat, rows, at = host_list(g, meta=local), [], 0
             for n in lengths:
                 rows.append(flat[at : at + n])
                 at += n

@@ -42,6 +42,13 @@ class Compressor(Protocol):
         stateless: ``True`` when the compressor keeps no per-bucket state, so that the engine
             may re-cut the buckets (bucket autotuning); ``False`` keeps the first cut.
 
+    On any device: every tensor a compressor hands to ``comm`` lives on ``grad``'s device (a
+    CPU tensor fails under NCCL), and a steady-state ``reduce`` reads no value on the host
+    (sizes come from shapes, decisions stay on the device), so a GPU step never stalls in
+    it; state given to ``load_state_dict`` may be on the CPU (where a checkpoint is read) and
+    moves to the gradient's device at its bucket's next reduction.
+    ``tests/unit/test_compressors_meta.py`` holds every registered compressor to this.
+
     Optional, for a compressor whose second collective per bucket depends on its first (CSC,
     PowerSGD): a class attribute ``wants_lane = True`` asks the engine for a collective with a
     second process group (:attr:`syncline.comm.FlatAllreduce.lane`), and a ``poll()`` method,

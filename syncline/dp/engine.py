@@ -36,12 +36,14 @@ from torch.utils._pytree import tree_leaves
 
 from syncline import comm
 from syncline.comm.collectives import Collective
+from syncline.comm.device import comm_device
 from syncline.comm.registry import build_allreduce
 from syncline.dp.autotune import BucketTuning
 from syncline.dp.buckets import BucketPlan
 from syncline.dp.compression import Compressor, NoCompression
 from syncline.dp.config import DataParallelConfig
 from syncline.dp.layout import GradBuffer
+from syncline.dp.placement import moved_to, placement
 from syncline.dp.reducer import Reducer, StepState, StepStats
 from syncline.dp.verify import check_same_on_all_ranks
 from syncline.errors import ConfigError
@@ -72,8 +74,17 @@ class DataParallel(nn.Module):
             Parameters may mix dtypes (one flat buffer per dtype). Those of an
             ``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True`` keep sparse gradients,
             each reduced by its own sparse allreduce at the end of backward, uncompressed.
-        device_ids, output_device, dim, check_reduction, static_graph, batched_grad_copy:
-            accepted for DDP compatibility; on CPU the device arguments are ignored.
+        device_ids, output_device: DDP 2.13's rules: for a module on one GPU,
+            ``device_ids=[its device]`` (an index or a ``torch.device``) makes every forward
+            first move the tensors in its arguments there (nested in tuples, lists, dicts and
+            namedtuples; other objects, dataclasses included, are passed as they are, as in
+            DDP); ``None`` leaves inputs where they are. ``output_device`` (default
+            ``device_ids[0]``) is recorded, as DDP records it: outputs stay where the module
+            puts them. For a CPU module both must be left unset. Refused up front: more
+            than one device id, a device the module is not on, and a module spread over
+            several devices (one flat buffer per dtype lives on one device).
+        dim, check_reduction, static_graph, batched_grad_copy: accepted for DDP
+            compatibility (no effect).
         init_sync: as in DDP: ``False`` skips the check across ranks and the initial
             broadcast (the ranks keep their own values).
         gradient_as_bucket_view: gradients are always views into the flat buffer; this
@@ -104,8 +115,10 @@ class DataParallel(nn.Module):
 
     Raises:
         ConfigError: on invalid sizes, no trainable parameters, parameters (or broadcast
-            buffers) that differ across ranks (on every rank), an unsupported DDP option, or
-            ``autotune_buckets=True`` with a compressor that keeps per-bucket state.
+            buffers) that differ across ranks (on every rank), an unsupported DDP option,
+            ``device_ids``/``output_device`` that do not fit the module (see above), a module
+            on the CPU under NCCL, or ``autotune_buckets=True`` with a compressor that keeps
+            per-bucket state.
 
     Example:
         >>> model = DataParallel(net)              # after torch.distributed is initialised
@@ -149,7 +162,7 @@ class DataParallel(nn.Module):
         tune_min_bucket_mb: float = _D.tune_min_bucket_mb,
     ) -> None:
         super().__init__()
-        del device_ids, output_device, dim, check_reduction, static_graph, batched_grad_copy
+        del dim, check_reduction, static_graph, batched_grad_copy
         _refuse_unsupported(
             delay_all_reduce_named_params=delay_all_reduce_named_params,
             param_to_hook_all_reduce=param_to_hook_all_reduce,
@@ -157,6 +170,10 @@ class DataParallel(nn.Module):
             device_mesh=device_mesh,
             bucket_cap_mb_list=bucket_cap_mb_list,
             skip_all_reduce_unused_params=skip_all_reduce_unused_params or None,
+        )
+        self._ignored = frozenset(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        self.device_ids, self.output_device, self._input_device = placement(
+            module, self._ignored, device_ids, output_device, comm.backend_name(process_group)
         )
         # DDP 2.13: forward_sync_buffers replaces broadcast_buffers; only the deprecated
         # broadcast_buffers=False also leaves the buffers out of the initial broadcast
@@ -189,7 +206,6 @@ class DataParallel(nn.Module):
         self._comm = _resolve_collective(allreduce, process_group, timeout_s)
         if getattr(self._compressor, "wants_lane", False):  # see FlatAllreduce.lane
             self._comm = _with_lane(self._comm)
-        self._ignored = frozenset(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         if init_sync:  # first, so that a rank without trainable parameters fails on every rank
             check_same_on_all_ranks(
                 module, self._ignored, init_sync_buffers, process_group, timeout_s
@@ -212,7 +228,8 @@ class DataParallel(nn.Module):
         )
         self._buf.install(list(reversed(range(len(params)))))  # backward runs roughly in reverse
         self._st = StepState(len(params), len(sparse))
-        self._tuning = BucketTuning(self.config, self._buf, self._comm)
+        comm_dev = comm_device(comm.backend_name(process_group), self._buf.device)
+        self._tuning = BucketTuning(self.config, self._buf, self._comm, device=comm_dev)
         self._reducer = Reducer(
             names=names,
             buffer=self._buf,
@@ -274,6 +291,8 @@ class DataParallel(nn.Module):
         if self._st.deferred:
             self._refuse_open_reduction()
         self._buf.spent.clear()
+        if self._input_device is not None:  # DDP's device_ids[0]
+            args, kwargs = moved_to((args, kwargs), self._input_device)
         if self._sync_buffers_next and self.config.broadcast_buffers and self._world_size > 1:
             self._sync_buffers()
         training = torch.is_grad_enabled() and self._sync_enabled
@@ -357,9 +376,15 @@ class DataParallel(nn.Module):
 
     def overflowed_in_reduce(self) -> bool:
         """Whether a bucket of this rank held an inf or NaN since :meth:`unscale_in_reduce`
-        (this rank alone: the verdict is the caller's to agree on)."""
+        (this rank alone: the verdict is the caller's to agree on). Reads the flag on the
+        host (a sync on a GPU): :meth:`overflow_flag_in_reduce` leaves it on the device."""
         flag = self._reducer.overflow
         return flag is not None and bool(flag)
+
+    def overflow_flag_in_reduce(self) -> torch.Tensor | None:
+        """The flag behind :meth:`overflowed_in_reduce` (nonzero: an inf or NaN was zeroed)
+        on the device, or ``None``: to fold into one verdict per step, read once."""
+        return self._reducer.overflow
 
     # -- state --------------------------------------------------------------------------
     def compression_state_dict(self) -> dict[str, Any]:

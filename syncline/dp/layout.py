@@ -69,7 +69,7 @@ class GradBuffer:
 
     def plan_for(self, order: list[int] | tuple[int, ...], first_cap: int, cap: int) -> BucketPlan:
         """The plan that lays the parameters out in ``order`` and cuts at the given caps."""
-        sizes = [torch.empty((), dtype=d).element_size() for d in self.dtypes]
+        sizes = [d.itemsize for d in self.dtypes]
         return plan_buckets(
             [p.numel() for p in self.params], order, sizes, cap, first_cap, self.kinds
         )

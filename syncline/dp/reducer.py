@@ -12,7 +12,6 @@ collectives in the same order whatever order its gradients arrive in.
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +19,8 @@ from typing import Any
 import torch
 
 from syncline import comm
-from syncline.comm.collectives import Collective, Pending
+from syncline.comm.collectives import Collective, Pending, host_list
+from syncline.comm.device import Stopwatch, comm_device
 from syncline.dp.autotune import BucketTuning
 from syncline.dp.compression import BucketRef, Compressor, NoCompression
 from syncline.dp.config import DataParallelConfig
@@ -32,13 +32,25 @@ __all__ = ["Reducer", "StepState", "StepStats"]
 
 @dataclass
 class StepStats:
-    """What the last synchronised backward communicated."""
+    """What the last synchronised backward communicated.
+
+    Attributes:
+        watch: the wait at the end of backward, timed on the gradients' device (CUDA events
+            there: reading :attr:`exposed_comm_s` waits for that wait's end event, so a
+            loop that never reads it never synchronises).
+    """
 
     step: int = 0
     collectives: int = 0
     wire_bytes: int = 0
     dense_bytes: int = 0
-    exposed_comm_s: float = 0.0
+    watch: Stopwatch | None = None
+
+    @property
+    def exposed_comm_s(self) -> float:
+        """Seconds the compute waited for communication at the end of backward (on CUDA:
+        how long the compute stream waited for the collectives' stream)."""
+        return 0.0 if self.watch is None else self.watch.elapsed_s()
 
 
 class StepState:
@@ -51,6 +63,7 @@ class StepState:
     # measured: ~10 us per nn.Module.__setattr__; ~17 a step were 0.2 ms of a 9 ms CNN step
     __slots__ = (
         "any_ready",
+        "backward_watch",
         "deferred",
         "in_backward",
         "last_stats",
@@ -65,7 +78,6 @@ class StepState:
         "steps_synced",
         "sync_this_backward",
         "syncs_done",
-        "t_first_ready",
         "used",
     )
 
@@ -79,7 +91,7 @@ class StepState:
         self.deferred = False  # a backward ended with the reduction still incomplete
         self.steps_synced = 0
         self.syncs_done = 0  # synchronised backwards since construction (the tuning clock)
-        self.t_first_ready = 0.0
+        self.backward_watch: Stopwatch | None = None  # first ready gradient -> end (tuning)
         self.last_stats = StepStats()
         self.ready: list[bool] = []
         self.remaining: list[int] = []
@@ -142,6 +154,10 @@ class Reducer:
         self.sparse_params = [p for _, p in sparse]
         self.world_size = comm.group_size(group)
         self.hooks: list[Any] = []
+        # where this rank's own bookkeeping tensors (the unused-parameter count, the bucket
+        # order) go through torch.distributed: the group's backend decides (NCCL: CUDA only)
+        self.comm_device = comm_device(comm.backend_name(group), buffer.device)
+        self._backward_watch = Stopwatch(buffer.device)
 
     def install_hooks(self) -> None:
         """Attach the ready-hooks to the parameters. Idempotent."""
@@ -202,7 +218,8 @@ class Reducer:
     def _begin_backward(self) -> None:
         st = self.st
         st.in_backward = True
-        st.t_first_ready = time.perf_counter()
+        # timed only while the bucket tuning measures (on CUDA: events, read at the end)
+        st.backward_watch = self._backward_watch.start() if self.tuning.pending else None
         torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
     def on_grad_ready(self, i: int, _param: torch.Tensor) -> None:
@@ -283,10 +300,10 @@ class Reducer:
                 return
             kept = self._flush_unready()
             kept_sparse = self._reduce_sparse()
-            t0 = time.perf_counter()
+            exposed = Stopwatch(buf.device).start()
             for pending in st.pending:
                 pending.wait()
-            exposed = time.perf_counter() - t0
+            exposed.stop()
             if self.config.find_unused_parameters:
                 self._restore_globally_unused(kept, kept_sparse)
             st.last_stats = StepStats(
@@ -294,12 +311,12 @@ class Reducer:
                 collectives=len(st.pending),
                 wire_bytes=sum(p.wire_bytes for p in st.pending),
                 dense_bytes=buf.nbytes,
-                exposed_comm_s=exposed,
+                watch=exposed,
             )
             if st.steps_synced == 0 and self.config.rebuild_buckets:
                 self._rebuild_from_observed_order()
-            if self.tuning.pending:
-                backward_s = time.perf_counter() - st.t_first_ready
+            if self.tuning.pending and st.backward_watch is not None:
+                backward_s = st.backward_watch.stop().elapsed_s()  # tuning steps only
                 self.tuning.observe(backward_s, st.syncs_done, st.steps_synced)
             st.steps_synced += 1
             st.syncs_done += 1
@@ -407,14 +424,17 @@ class Reducer:
         rank average stays, as in DDP.
         """
         st, buf = self.st, self.buf
-        used = torch.tensor(st.used + st.sparse_used, dtype=torch.int32, device=buf.device)
+        # A host decision by nature (which parameters get None back): one read of the counts
+        # per step, and at most one more for the error-feedback check below.
+        mine = [int(u) for u in st.used + st.sparse_used]
+        used = torch.tensor(mine, dtype=torch.int32, device=self.comm_device)
         self.collective.allreduce(used, f"unused-parameter count at step {st.steps_synced}").wait()
-        counts = used.tolist()
-        for i, count in enumerate(counts[: len(buf.params)]):
-            if count != 0:
-                continue
+        counts = host_list(used, meta=mine)
+        unused = [i for i, count in enumerate(counts[: len(buf.params)]) if count == 0]
+        delayed = self._sent_by_error_feedback([i for i in unused if buf.stand_in[i]])
+        for i in unused:
             if buf.stand_in[i]:
-                if not self.compressor.stateless and bool(buf.views[i].any()):
+                if i in delayed:
                     # error feedback sent what it had kept for this parameter from a step
                     # that used it: a delayed gradient, applied, not dropped
                     continue
@@ -425,14 +445,30 @@ class Reducer:
             if count == 0 and j in kept_sparse:
                 self.sparse_params[j].grad = kept_sparse[j]
 
+    def _sent_by_error_feedback(self, stand_ins: list[int]) -> set[int]:
+        """Which of these parameters (no rank used them; their gradient was a zeroed stand-in)
+        received something nonzero anyway: a compressor with error feedback sent what it
+        had kept for them. One host read for all of them, none for a stateless compressor."""
+        if self.compressor.stateless or not stand_ins:
+            return set()
+        views = self.buf.views
+        flags = torch.stack([views[i].any() for i in stand_ins])
+        nonzero = host_list(flags, meta=[False] * len(stand_ins))
+        return {i for i, sent in zip(stand_ins, nonzero, strict=True) if sent}
+
     def _rebuild_from_observed_order(self) -> None:
-        """Re-lay the buffer in the order the first step's gradients became ready (rank 0's)."""
+        """Re-lay the buffer in the order the first step's gradients became ready (rank 0's).
+
+        Once, at the end of the first synchronised backward: the order is broadcast on the
+        communication device and read back on the host (the buffer is laid out by it).
+        """
         seen = list(dict.fromkeys(self.st.order_seen))
         seen_set = set(seen)
         rest = [i for i in self.buf.plan.order if i not in seen_set]
-        order = torch.tensor(seen + rest, dtype=torch.int64)
+        mine = seen + rest
+        order = torch.tensor(mine, dtype=torch.int64, device=self.comm_device)
         comm.broadcast_tensors([order], group=self.group, what="bucket order")
-        new_order = order.tolist()
+        new_order = [int(i) for i in host_list(order, meta=mine)]
         if tuple(new_order) != self.buf.plan.order:
             self.buf.install(new_order, keep_grads=True)
 
@@ -452,7 +488,7 @@ class Reducer:
         finally:
             self.st.pending = saved
             self.st.sparse_ready = [False] * len(self.sparse_params)
-        t0 = time.perf_counter()
+        watch = Stopwatch(buf.device).start()
         for p in pending:
             p.wait()
         return StepStats(
@@ -460,5 +496,5 @@ class Reducer:
             collectives=len(pending),
             wire_bytes=sum(p.wire_bytes for p in pending),
             dense_bytes=buf.nbytes,
-            exposed_comm_s=time.perf_counter() - t0,
+            watch=watch.stop(),
         )

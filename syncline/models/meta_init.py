@@ -12,6 +12,13 @@ run's seed and the layer's index in the full model (:func:`layer_seed`), inside
 ``torch.random.fork_rng`` (the caller's random state is left as it was). The one-process
 :func:`materialize` gives the same full model a pipeline of any depth starts from.
 
+Initialisation must not depend on the device either: CUDA's generator (Philox) draws other
+numbers than the CPU's (Mersenne Twister) from the same seed, so a pipeline materialising its
+stages on a GPU would start from other weights than data parallelism building the model on
+the CPU. So every layer is materialised and initialised on the CPU, from the CPU generator
+(:func:`cpu_seeded`: CUDA's generators are neither seeded nor read), checked there, then
+copied to its device one layer at a time (host memory holds one layer beyond the model).
+
 The initialiser is ``init(index, layer)``: it fills the layer's parameters and buffers in
 place. The default calls ``reset_parameters()`` on every submodule that has one (torch's
 layers all do; BatchNorm also resets its running statistics). Anything an initialiser
@@ -22,7 +29,9 @@ before it runs and any NaN left afterwards is refused, naming the tensor.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,6 +70,74 @@ def is_meta(layer: nn.Module) -> bool:
     return bool(meta) and all(meta)
 
 
+@contextmanager
+def cpu_seeded(seed: int) -> Iterator[torch.Generator]:
+    """Run the body with the CPU's default generator seeded with ``seed``, and restore the
+    caller's CPU random state afterwards; CUDA's generators are left alone (``torch.manual_seed``
+    would reseed every GPU's too). Yields the generator, for initialisers that take one."""
+    with torch.random.fork_rng(devices=[]):
+        yield torch.default_generator.manual_seed(seed)
+
+
+def _slots(module: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The dicts holding ``module``'s own parameters and buffers (assigned into in place)."""
+    return module._parameters, module._buffers
+
+
+def _on_cpu(layer: nn.Module, made: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Replace ``layer``'s meta tensors by CPU ones (NaN-filled floats, zeroed others). A
+    tensor met before (tied to an earlier layer: ``made`` maps the meta tensor's id to it)
+    gets the same CPU tensor, so ties hold."""
+    for module in layer.modules():
+        for slots in _slots(module):
+            for key, t in slots.items():
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in made:
+                    real = torch.empty_like(t, device="cpu")
+                    real.fill_(float("nan")) if real.is_floating_point() else real.zero_()
+                    if isinstance(t, nn.Parameter):
+                        real = nn.Parameter(real, requires_grad=t.requires_grad)
+                    made[id(t)] = (t, real)  # the meta tensor kept alive: its id stays unique
+                slots[key] = made[id(t)][1]
+
+
+def _to_device(
+    layer: nn.Module, device: torch.device, moved: dict[int, tuple[torch.Tensor, torch.Tensor]]
+) -> None:
+    """Copy ``layer``'s CPU-initialised tensors (those in ``moved``' keys or new to it) to
+    ``device``; a tensor tied to an earlier layer gets the same device tensor, refreshed
+    (the later layer's initialiser may have drawn it again)."""
+    for module in layer.modules():
+        for slots in _slots(module):
+            for key, t in slots.items():
+                if t is None or t.device.type != "cpu":
+                    continue
+                if id(t) in moved:
+                    with torch.no_grad():
+                        moved[id(t)][1].copy_(t)
+                else:
+                    real = torch.empty_like(t, device=device)
+                    with torch.no_grad():
+                        real.copy_(t)
+                    if isinstance(t, nn.Parameter):
+                        real = nn.Parameter(real, requires_grad=t.requires_grad)
+                    moved[id(t)] = (t, real)
+                slots[key] = moved[id(t)][1]
+
+
+def _tied(layers: Iterable[nn.Module]) -> set[int]:
+    """The ids of the tensors held by more than one of ``layers`` (kept on the CPU until
+    the last holder is initialised)."""
+    seen: set[int] = set()
+    tied: set[int] = set()
+    for layer in layers:
+        mine = {id(t) for t in [*layer.parameters(), *layer.buffers()]}
+        tied |= mine & seen
+        seen |= mine
+    return tied
+
+
 def materialize_layers(
     layers: Sequence[tuple[int, nn.Module]],
     *,
@@ -68,30 +145,22 @@ def materialize_layers(
     seed: int,
     init: LayerInit | None = None,
 ) -> None:
-    """Allocate the ``(index, layer)`` pairs that are on the meta device on ``device``
-    (together, so weights tied between them stay tied) and initialise each from its own
-    seed; real layers are left as they are (a model built eagerly keeps its weights).
+    """Allocate the ``(index, layer)`` pairs that are on the meta device on ``device`` and
+    initialise each from its own seed, on the CPU, from the CPU generator (so the values do
+    not depend on ``device``), then copy it there; weights tied between the layers stay
+    tied; real layers are left as they are (a model built eagerly keeps its weights).
 
     Raises:
         ConfigError: the initialiser left a floating-point parameter or buffer unset.
     """
     todo = [(i, layer) for i, layer in layers if is_meta(layer)]
-    if not todo:
-        return
-    nn.ModuleList([layer for _, layer in todo]).to_empty(device=device)
-    with torch.no_grad():
-        for _, layer in todo:
-            for t in [*layer.parameters(), *layer.buffers()]:
-                if t.is_floating_point():
-                    t.fill_(float("nan"))
-                else:
-                    t.zero_()
-    devices = [device] if device.type == "cuda" else []
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    tied = _tied(layer for _, layer in todo)
     for index, layer in todo:
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
-            torch.manual_seed(layer_seed(seed, index))
+        _on_cpu(layer, made)
+        with cpu_seeded(layer_seed(seed, index)), torch.no_grad():
             (init or reset_parameters)(index, layer)
-    for index, layer in todo:
         named = [*layer.named_parameters(), *layer.named_buffers()]
         unset = [n for n, t in named if t.is_floating_point() and bool(torch.isnan(t).any())]
         if unset:
@@ -99,12 +168,17 @@ def materialize_layers(
                 f"layer {index} ({type(layer).__name__}): the initialiser left {unset[:5]} "
                 "unset (NaN); give an init(index, layer) that fills every parameter and buffer"
             )
+        if device.type != "cpu":
+            _to_device(layer, device, moved)
+            for key in [k for k in made if k not in tied]:  # host memory: one layer at a time
+                _, cpu = made.pop(key)
+                moved.pop(id(cpu), None)
 
 
 def materialized_copy(
     layer: nn.Module, index: int, *, device: torch.device, seed: int, init: LayerInit | None
 ) -> nn.Module:
-    """A real copy of ``layer`` as :func:`materialize_layer` makes it (the original is left
+    """A real copy of ``layer`` as :func:`materialize_layers` makes it (the original is left
     on the meta device); for profiling one layer at a time."""
     if not is_meta(layer):
         return layer

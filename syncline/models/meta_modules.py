@@ -6,7 +6,8 @@ here the unit is the module that directly owns parameters or buffers (a ``Linear
 ``LayerNorm``, an ``Embedding``), seeded by its fully-qualified name in the model
 (:func:`module_seed`). A pipeline stage materialises only the owners of its own tensors; the
 one-process :func:`materialize_modules` gives the same full model, so the weights do not
-depend on the split.
+depend on the split; as there, values are drawn on the CPU from the CPU generator and then
+copied to the device, so they do not depend on the device either.
 
 The initialiser is ``init(name, module)``, called for the owner and then for each of its
 ancestors up to the model itself (nearest first), each time with only the owner's tensors
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 
 from syncline.errors import ConfigError
-from syncline.models.meta_init import layer_seed
+from syncline.models.meta_init import cpu_seeded, layer_seed
 
 __all__ = ["ModuleInit", "materialize_modules", "materialize_named", "module_seed"]
 
@@ -62,7 +63,7 @@ def _initialised(
     twin._buffers = dict(owner._buffers)
     with torch.no_grad():
         for key, t in _owned(owner):
-            real = torch.empty_like(t, device=device)
+            real = torch.empty_like(t, device="cpu")  # drawn on the CPU, see below
             real.fill_(float("nan")) if real.is_floating_point() else real.zero_()
             if key in owner._parameters:
                 twin._parameters[key] = nn.Parameter(real, requires_grad=t.requires_grad)
@@ -75,9 +76,7 @@ def _initialised(
         parent = copy.copy(model.get_submodule(parent_name))
         parent._modules = {**parent._modules, leaf: chain[-1][1]}
         chain.append((parent_name, parent))
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
-        torch.manual_seed(module_seed(seed, name))
+    with cpu_seeded(module_seed(seed, name)), torch.no_grad():
         if init is None:
             reset = getattr(twin, "reset_parameters", None)
             if callable(reset):
@@ -93,7 +92,17 @@ def _initialised(
             f"{name or 'the model'} ({type(owner).__name__}): {hint} left {unset} unset (NaN); "
             "give an init(name, module) that fills every parameter and buffer"
         )
-    return values
+    return values if device.type == "cpu" else {k: _copied(t, device) for k, t in values.items()}
+
+
+def _copied(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (initialised on the CPU) copied to ``device``, a parameter as a parameter."""
+    real = torch.empty_like(t, device=device)
+    with torch.no_grad():
+        real.copy_(t)
+    if isinstance(t, nn.Parameter):
+        return nn.Parameter(real, requires_grad=t.requires_grad)
+    return real
 
 
 def materialize_named(

@@ -1,8 +1,10 @@
-"""What LARS and LAMB share: range checks, the closure, and the per-tensor trust ratio."""
+"""What LARS and LAMB share: range checks, the closure, the per-tensor trust ratio, and the
+grouping of a step's tensors for ``torch._foreach_*`` (a few kernels per group, not per
+tensor; no host sync: the norms and ratios stay on the device)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -29,3 +31,22 @@ def trust_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Ten
     """``numerator / denominator``, or 1 where either is 0 (a fresh or a gradient-free tensor)."""
     ok = (numerator > 0) & (denominator > 0)
     return torch.where(ok, numerator / denominator, torch.ones_like(numerator))
+
+
+def with_grads(
+    owner: str, params: Iterable[torch.Tensor]
+) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """The parameters that have a gradient, by ``(device, dtype)`` (``torch._foreach_*``
+    takes one device and dtype per call), in their order; sparse gradients are refused.
+
+    Raises:
+        RuntimeError: a parameter has a sparse gradient.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is None:
+            continue
+        if p.grad.is_sparse:
+            raise RuntimeError(f"{owner} does not take sparse gradients")
+        groups.setdefault((p.device, p.dtype), []).append(p)
+    return groups

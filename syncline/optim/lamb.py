@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from syncline.optim._common import check, closure_loss, trust_ratio
+from syncline.optim._common import check, closure_loss, trust_ratio, with_grads
 
 
 class Lamb(torch.optim.Optimizer):
@@ -73,30 +73,44 @@ class Lamb(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = closure_loss(closure)
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("Lamb does not take sparse gradients")
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                state["step"] += 1
-                t = state["step"]
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
-                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                denom = (v / (1 - beta2**t)).sqrt_().add_(group["eps"])
-                update = (m / (1 - beta1**t)).div_(denom)
-                if p.dim() > 1 or group["adapt_1d"]:
-                    if group["weight_decay"]:
-                        update.add_(p, alpha=group["weight_decay"])
-                    w_norm = torch.linalg.vector_norm(p).clamp(max=group["clamp"])
-                    u_norm = torch.linalg.vector_norm(update)
-                    ratio = trust_ratio(w_norm, u_norm)
-                    update.mul_(ratio)
-                p.add_(update, alpha=-group["lr"])
+            for params in with_grads("Lamb", group["params"]).values():
+                self._step_tensors(group, params)
         return loss
+
+    def _step_tensors(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        """One step of ``params`` (one device and dtype, all with a gradient): a few
+        ``torch._foreach_*`` kernels for all of them, the trust ratios decided on the device
+        (``torch.where`` on the stacked norms), so no host sync; per tensor, bit for bit the
+        arithmetic of a loop over the tensors."""
+        beta1, beta2 = group["betas"]
+        grads = [p.grad for p in params if p.grad is not None]  # all of them (with_grads)
+        steps = []
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            state["step"] += 1
+            steps.append(state["step"])
+        ms = [self.state[p]["exp_avg"] for p in params]
+        vs = [self.state[p]["exp_avg_sq"] for p in params]
+        torch._foreach_mul_(ms, beta1)
+        torch._foreach_add_(ms, grads, alpha=1 - beta1)
+        torch._foreach_mul_(vs, beta2)
+        torch._foreach_addcmul_(vs, grads, grads, value=1 - beta2)
+        denom = torch._foreach_div(vs, [1 - beta2**t for t in steps])
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, group["eps"])
+        updates = torch._foreach_div(ms, [1 - beta1**t for t in steps])
+        torch._foreach_div_(updates, denom)
+        del denom
+        adapt = [i for i, p in enumerate(params) if p.dim() > 1 or group["adapt_1d"]]
+        if adapt:
+            weights, adapted = [params[i] for i in adapt], [updates[i] for i in adapt]
+            if group["weight_decay"]:
+                torch._foreach_add_(adapted, weights, alpha=group["weight_decay"])
+            w_norms = torch.stack(torch._foreach_norm(weights)).clamp(max=group["clamp"])
+            u_norms = torch.stack(torch._foreach_norm(adapted))
+            torch._foreach_mul_(adapted, list(trust_ratio(w_norms, u_norms).unbind()))
+        torch._foreach_add_(params, updates, alpha=-group["lr"])

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from syncline.optim._common import check, closure_loss, trust_ratio
+from syncline.optim._common import check, closure_loss, trust_ratio, with_grads
 
 
 class Lars(torch.optim.Optimizer):
@@ -73,26 +73,39 @@ class Lars(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = closure_loss(closure)
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("Lars does not take sparse gradients")
-                g = p.grad
-                if p.dim() > 1 or group["adapt_1d"]:
-                    if group["weight_decay"]:
-                        g = g.add(p, alpha=group["weight_decay"])
-                    w_norm, g_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(g)
-                    eta = group["trust_coefficient"]
-                    ratio = trust_ratio(eta * w_norm, g_norm + group["eps"] * (g_norm > 0))
-                    g = g * ratio
-                if group["momentum"]:
-                    state = self.state[p]
-                    buf = state.get("momentum_buffer")
-                    if buf is None:
-                        buf = state["momentum_buffer"] = g.detach().clone()
-                    else:
-                        buf.mul_(group["momentum"]).add_(g)
-                    g = buf
-                p.add_(g, alpha=-group["lr"])
+            for params in with_grads("Lars", group["params"]).values():
+                self._step_tensors(group, params)
         return loss
+
+    def _step_tensors(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        """One step of ``params`` (one device and dtype, all with a gradient): a few
+        ``torch._foreach_*`` kernels for all of them, the trust ratios decided on the device
+        (``torch.where`` on the stacked norms), so no host sync; per tensor, bit for bit the
+        arithmetic of a loop over the tensors. The gradients themselves are never written."""
+        steps = [p.grad for p in params if p.grad is not None]  # all of them (with_grads)
+        adapt = [i for i, p in enumerate(params) if p.dim() > 1 or group["adapt_1d"]]
+        if adapt:
+            weights, grads = [params[i] for i in adapt], [steps[i] for i in adapt]
+            if group["weight_decay"]:
+                grads = list(torch._foreach_add(grads, weights, alpha=group["weight_decay"]))
+            w_norms = torch.stack(torch._foreach_norm(weights))
+            g_norms = torch.stack(torch._foreach_norm(grads))
+            eta = group["trust_coefficient"]
+            ratios = trust_ratio(eta * w_norms, g_norms + group["eps"] * (g_norms > 0))
+            for i, g in zip(adapt, torch._foreach_mul(grads, list(ratios.unbind())), strict=True):
+                steps[i] = g
+        if group["momentum"]:
+            old, new = [], []
+            for i, p in enumerate(params):
+                state = self.state[p]
+                buf = state.get("momentum_buffer")
+                if buf is None:
+                    state["momentum_buffer"] = steps[i].detach().clone()
+                else:
+                    old.append(buf)
+                    new.append(steps[i])
+                steps[i] = state["momentum_buffer"]
+            if old:
+                torch._foreach_mul_(old, group["momentum"])
+                torch._foreach_add_(old, new)
+        torch._foreach_add_(params, steps, alpha=-group["lr"])

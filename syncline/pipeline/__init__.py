@@ -10,7 +10,11 @@ step);
 :mod:`~syncline.pipeline.profile` (layer times for :mod:`syncline.partition`);
 :mod:`~syncline.pipeline.replicas` (REDUCE over a stage's data-parallel replicas);
 :mod:`~syncline.pipeline.checks` (argument checks);
-:mod:`~syncline.pipeline.runtime` (executes the actions, talking through :mod:`syncline.comm`).
+:mod:`~syncline.pipeline.shapes` (each boundary's message inferred on fake tensors);
+:mod:`~syncline.pipeline.links` (messages: gloo's early receives, NCCL's groups);
+:mod:`~syncline.pipeline.timing` (each action's interval, CUDA events on a GPU);
+:mod:`~syncline.pipeline.calls` (one call's loop) and :mod:`~syncline.pipeline.runtime`
+(the API; executes the actions, talking through :mod:`syncline.comm`).
 
 Names are resolved lazily, so that the pure planner imports without torch.
 """

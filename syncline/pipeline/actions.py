@@ -8,12 +8,12 @@ holds (received tensors in an inbox keyed by kind, stage, batch and micro-batch)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from syncline.pipeline.batches import Batch, to_device
-from syncline.pipeline.links import Links
+from syncline.pipeline.links import Like, Links
 from syncline.pipeline.precision import PipelinePrecision
 from syncline.pipeline.replicas import StageReplicas
 from syncline.pipeline.stage import Stage
@@ -64,22 +64,40 @@ class ActionHandlers:
         return tuple(first.shape), first.dtype
 
     def _recv(self, a: Action) -> None:
-        assert a.batch is not None and a.microbatch is not None
-        self._inbox[(a.kind, a.stage, a.batch, a.microbatch)] = self._links.recv(a)
+        """gloo: take the message now. Grouped (NCCL): its group was issued at the first
+        action of its run (:meth:`_issue`); the compute that needs it waits for it."""
+        if not self._links.grouped:
+            self._inbox[Links.key(a)] = self._links.recv(a)
 
-    def _send(self, a: Action) -> None:
+    def _received(self, kind: ActionKind, a: Action) -> torch.Tensor:
+        """The message of ``a``'s micro-batch that the RECV of ``kind`` brought."""
+        recv = Action(a.stage, kind, a.microbatch, batch=a.batch)
+        got = self._inbox.pop(Links.key(recv), None)
+        return self._links.recv(recv) if got is None else got
+
+    def _outgoing(self, a: Action) -> tuple[torch.Tensor, Like | None]:
+        """A SEND's message, and for a SEND_F the shape of the gradient that comes back."""
         assert a.batch is not None and a.microbatch is not None
         forward = a.kind is K.SEND_F
         source = K.FORWARD if forward else K.BACKWARD
         message = self._inbox.pop((source, a.stage, a.batch, a.microbatch))
-        grad_like = self._stages[a.stage].grad_like(message) if forward else None
-        self._links.send(a, message, self._call, grad_like)
+        return message, self._stages[a.stage].grad_like(message) if forward else None
+
+    def _send(self, a: Action) -> None:
+        if not self._links.grouped:  # grouped: sent with its run (:meth:`_issue`)
+            message, grad_like = self._outgoing(a)
+            self._links.send(a, message, self._call, grad_like)
+
+    def _issue(self, actions: Sequence[Action]) -> None:
+        """Grouped (NCCL): a run of SEND/RECV actions as one group, at its first action."""
+        outgoing = {a: self._outgoing(a) for a in actions if a.kind in (K.SEND_F, K.SEND_B)}
+        self._links.issue(actions, outgoing, self._call)
 
     def _forward(self, a: Action) -> None:
         assert a.batch is not None and a.microbatch is not None
         batch, mb = self._batches[a.batch], a.microbatch
         stage = self._stages[a.stage]
-        received = None if stage.first else self._inbox.pop((K.RECV_F, a.stage, a.batch, mb))
+        received = None if stage.first else self._received(K.RECV_F, a)
         part = to_device(batch.inputs[mb], self._device) if stage.traced or stage.first else None
         x: torch.Tensor | None = received
         inputs: Mapping[str, torch.Tensor] | None = None
@@ -101,7 +119,7 @@ class ActionHandlers:
     def _backward(self, a: Action) -> None:
         assert a.batch is not None and a.microbatch is not None
         stage = self._stages[a.stage]
-        grad = None if stage.last else self._inbox.pop((K.RECV_B, a.stage, a.batch, a.microbatch))
+        grad = None if stage.last else self._received(K.RECV_B, a)
         if a in self._final:  # the batch's last backward here: its REDUCE starts inside
             assert self._replicas is not None
             self._replicas.arm(a.stage, a.batch, stage.grad_holders(a.batch))
@@ -143,16 +161,17 @@ class ActionHandlers:
 
         stage.step(batch, a.version, before=before)
 
-    def _broadcast_loss(self, batch: int) -> float:
-        """Every rank gets the batch loss from the last stage. The last stage does not wait
+    def _broadcast_loss(self, batch: int) -> torch.Tensor:
+        """Every rank gets the batch loss from the last stage, as a float64 ``[1]`` on the
+        device (read on the host only by whoever logs it). The last stage does not wait
         for the others to take it (its sends complete during its next call), so it can go
-        on with the next batch while the first stage finishes this one; the others posted
-        the receive when the call began (:meth:`Links.expect_loss`)."""
+        on with the next batch while the first stage finishes this one; on gloo the others
+        posted the receive when the call began (:meth:`Links.expect_loss`)."""
         last = self._stages.get(self._d - 1)
         if last is None:
-            return float(self._links.recv_loss(batch, self._last_rank).item())
-        value = torch.tensor([last.pop_loss(batch)], dtype=torch.float64, device=self._device)
+            return self._links.recv_loss(batch, self._last_rank)
+        value = last.pop_loss(batch)
         if self._replicas is not None:
             self._replicas.average_loss(value, batch)
         self._links.send_loss(value, batch, self._call)
-        return float(value.item())
+        return value

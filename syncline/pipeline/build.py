@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from syncline import comm
+from syncline.comm.device import comm_device
 from syncline.errors import ConfigError
 from syncline.models.meta_init import LayerInit, materialize_layers, materialized_copy
 from syncline.models.meta_modules import ModuleInit, materialize_named
@@ -25,10 +26,11 @@ from syncline.partition import balance as balance_costs
 from syncline.partition import check_balance, stage_bounds
 from syncline.pipeline.profile import profile_layers
 from syncline.pipeline.replicas import StageReplicas
+from syncline.pipeline.shapes import Autocast, BoundaryShapes, infer_sequential
 from syncline.pipeline.split import stage_modules
 from syncline.pipeline.stage import Stage
 from syncline.pipeline.trace import TracedModel, retarget, trace_model
-from syncline.pipeline.traced_stage import traced_stages
+from syncline.pipeline.traced_stage import boundary_likes, traced_stages
 
 
 def profiled_split(
@@ -44,15 +46,19 @@ def profiled_split(
     init: LayerInit | None,
 ) -> list[int]:
     """Rank 0 profiles the layers on ``sample`` (a micro-batch of stage 0's input, on the
-    device the stages run on) and broadcasts the balanced split, which every rank returns."""
-    split = torch.zeros(num_stages, dtype=torch.int64)
+    device the stages run on) and broadcasts the balanced split, which every rank returns.
+    The split travels on the group's communication device (NCCL: CUDA); it is read on the
+    host once, at setup."""
+    wire = comm_device(comm.backend_name(group), sample.device)
+    split = torch.zeros(num_stages, dtype=torch.int64, device=wire)
     if rank == 0:
 
         def real(index: int, layer: nn.Module) -> nn.Module:
             return materialized_copy(layer, index, device=sample.device, seed=seed, init=init)
 
         profile = profile_layers(module, sample, prepare=real)
-        split = torch.tensor(balance_costs(profile.seconds, num_stages), dtype=torch.int64)
+        costs = balance_costs(profile.seconds, num_stages)
+        split = torch.tensor(costs, dtype=torch.int64, device=wire)
     what = "broadcast of the profiled balance"
     comm.broadcast_tensors_async([split], src=0, group=group, what=what, timeout_s=timeout_s).wait()
     if replicas is not None:  # each pipeline profiled its own: take the first's
@@ -81,9 +87,10 @@ def build_stages(
     for s, part in parts.items():
         layers = [(bounds[s][0] + j, layer) for j, layer in enumerate(part)]
         materialize_layers(layers, device=device, seed=seed, init=init)
+    moved = {s: part.to(device) for s, part in parts.items()}  # the broadcast goes from there
     if replicas is not None:
-        replicas.join(dict(parts), shape)
-    return {s: make_stage(s, part.to(device)) for s, part in parts.items()}
+        replicas.join(dict(moved), shape)
+    return {s: make_stage(s, part) for s, part in moved.items()}
 
 
 def build_traced_stages(
@@ -130,3 +137,18 @@ def build_traced_stages(
     if replicas is not None:
         replicas.join(dict(parts), shape)
     return traced, {s: make_stage(s, part) for s, part in parts.items()}
+
+
+def sequential_boundaries(
+    module: nn.Sequential, split: Sequence[int], device: torch.device, autocast: Autocast
+) -> BoundaryShapes:
+    """The inferred messages of ``module`` cut by ``split`` (every stage, this rank's or
+    not: :mod:`syncline.pipeline.shapes`), computed once per input signature."""
+    parts = list(stage_modules(module, split, range(len(split))).values())
+    return BoundaryShapes(lambda signature: infer_sequential(parts, signature, device, autocast))
+
+
+def traced_boundaries(traced: TracedModel, precision: str) -> BoundaryShapes:
+    """The messages of a traced model, fixed by its trace (whatever the input signature)."""
+    likes = boundary_likes(traced, precision)
+    return BoundaryShapes(lambda signature: likes)

@@ -6,6 +6,7 @@ against the process group, :mod:`syncline.pipeline.replicas` the data-parallel g
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from syncline.comm.p2p import MAX_TAG
@@ -13,6 +14,25 @@ from syncline.errors import ConfigError
 from syncline.partition import check_balance
 from syncline.pipeline.config import PipelineConfig
 from syncline.pipeline.links import max_tag
+
+
+def check_device(backend: str, compute: torch.device, wire: torch.device, size: int) -> None:
+    """A pipeline of several ranks sends its activations from ``compute``: ``backend`` must
+    take point-to-point tensors there (its communication device ``wire``).
+
+    gloo takes CUDA tensors for collectives (so ``wire`` may be the GPU) but has no CUDA
+    send/recv: its point-to-point device is the CPU whatever the compute device.
+
+    Raises:
+        ConfigError: stages off the CPU on gloo, which sends only CPU tensors point-to-point.
+    """
+    p2p = torch.device("cpu") if backend == "gloo" else wire
+    if size > 1 and p2p != compute:
+        raise ConfigError(
+            f"a pipeline of {size} ranks computing on {compute} with the {backend} backend: "
+            f"{backend} sends point-to-point only {p2p} tensors; valid: nccl for CUDA stages "
+            "(one GPU per rank), gloo for CPU stages"
+        )
 
 
 def check_args(

@@ -12,6 +12,12 @@ The messages carry their shape header (evaluation batches may have any shape) an
 above every tag a training call uses, so an evaluation between two 2BW calls, while the
 next batch's activations are on their way, cannot take one of them.
 
+Under NCCL (``in_lockstep``), which pairs messages in issue order and makes a large send wait
+for its receive, a rank that holds several stages (interleaved) takes the micro-batches one
+at a time through all of its stages instead: otherwise its first stage's sends of every
+micro-batch would queue ahead of the receive its later stage needs, while the next rank's
+send of that very message waits for a receive queued behind them.
+
 The stage modules are put in ``eval()`` mode for the pass (dropout off, BatchNorm on its
 running statistics, as a validation pass expects) and back in their mode afterwards.
 """
@@ -62,6 +68,8 @@ class ForwardOnly:
         step: the pass's number (its tags, and errors).
         loss_fn: the training loss, for :meth:`loss`.
         replicas: the stage's replicas, whose losses :meth:`loss` averages.
+        in_lockstep: micro-batch by micro-batch through this rank's stages (NCCL; see the
+            module docstring), instead of stage by stage.
     """
 
     def __init__(
@@ -74,6 +82,7 @@ class ForwardOnly:
         step: int,
         loss_fn: LossFn,
         replicas: StageReplicas | None,
+        in_lockstep: bool = False,
     ) -> None:
         self._p2p, self._schedule, self._stages = p2p, schedule, stages
         self._d, self._m = schedule.num_stages, num_microbatches
@@ -81,6 +90,7 @@ class ForwardOnly:
         self._loss_fn, self._replicas = loss_fn, replicas
         self._base = max_tag(self._d, num_microbatches) + 1
         self._last_rank = schedule.rank_of(self._d - 1)
+        self._lockstep = in_lockstep
 
     def tag(self, edge: int, microbatch: int) -> int:
         """The tag of stage ``edge``'s output for ``microbatch`` (``edge = d``: the result);
@@ -113,24 +123,26 @@ class ForwardOnly:
             raise ValueError(f"{len(inputs)} micro-batches, more than m={self._m}")
         sends: list[Pending] = []
         outputs: list[torch.Tensor] = []
+        order = [(s, mb) for s in sorted(self._stages) for mb in range(len(inputs))]
+        if self._lockstep:
+            order.sort(key=lambda pair: (pair[1], pair[0]))
         with evaluating([stage.module for stage in self._stages.values()]):
-            for s in sorted(self._stages):
-                stage = self._stages[s]
-                for mb, part in enumerate(inputs):
-                    where = f"stage {s}, mb {mb} of evaluation pass {self._step}"
-                    local = to_device(part, self._device) if stage.traced or s == 0 else None
-                    if s == 0:
-                        x = None if stage.traced else local
-                    else:
-                        src = self._schedule.rank_of(s - 1)
-                        x = self._p2p.recv(src, tag=self.tag(s - 1, mb), what=f"input of {where}")
-                    out = stage.infer(x, local if stage.traced else None)  # type: ignore[arg-type]
-                    if s == self._d - 1:
-                        outputs.append(out)
-                        continue
-                    dst = self._schedule.rank_of(s + 1)
-                    tag = self.tag(s, mb)
-                    sends.append(self._p2p.send(out, dst, tag=tag, what=f"output of {where}"))
+            for s, mb in order:
+                stage, part = self._stages[s], inputs[mb]
+                where = f"stage {s}, mb {mb} of evaluation pass {self._step}"
+                local = to_device(part, self._device) if stage.traced or s == 0 else None
+                if s == 0:
+                    x = None if stage.traced else local
+                else:
+                    src = self._schedule.rank_of(s - 1)
+                    x = self._p2p.recv(src, tag=self.tag(s - 1, mb), what=f"input of {where}")
+                out = stage.infer(x, local if stage.traced else None)  # type: ignore[arg-type]
+                if s == self._d - 1:
+                    outputs.append(out)
+                    continue
+                dst = self._schedule.rank_of(s + 1)
+                tag = self.tag(s, mb)
+                sends.append(self._p2p.send(out, dst, tag=tag, what=f"output of {where}"))
         for pending in sends:
             pending.wait()
         return outputs

@@ -31,7 +31,7 @@ def _nbytes(like: Like) -> int:
     numel = 1
     for n in like[0]:
         numel *= n
-    return numel * torch.empty((), dtype=like[1]).element_size()
+    return numel * like[1].itemsize
 
 
 def _padded(n: int) -> int:
@@ -83,6 +83,11 @@ class Packed:
     likes: tuple[Like, ...]
 
     @property
+    def nbytes(self) -> int:
+        """The message's size: the ``uint8`` buffer :meth:`pack` makes."""
+        return self._offsets(self.likes)[-1]
+
+    @property
     def floating(self) -> list[int]:
         """Positions of the values that carry a gradient."""
         return [i for i, (_, dtype) in enumerate(self.likes) if dtype.is_floating_point]
@@ -96,9 +101,10 @@ class Packed:
         return [*out, at]
 
     @staticmethod
-    def _join(values: Sequence[torch.Tensor], likes: Sequence[Like]) -> torch.Tensor:
+    def _join(
+        values: Sequence[torch.Tensor], likes: Sequence[Like], device: torch.device
+    ) -> torch.Tensor:
         offsets = Packed._offsets(likes)
-        device = values[0].device if values else torch.device("cpu")
         buffer = torch.empty(offsets[-1], dtype=torch.uint8, device=device)
         for value, at in zip(values, offsets, strict=False):
             data = value.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -128,7 +134,7 @@ class Packed:
 
     def pack(self, values: Sequence[torch.Tensor], stage: int) -> torch.Tensor:
         self.check(values, stage)
-        return self._join(values, self.likes)
+        return self._join(values, self.likes, values[0].device)
 
     def unpack(self, message: torch.Tensor) -> list[torch.Tensor]:
         """The values, as views of ``message``; the floating ones as leaves that collect
@@ -145,7 +151,8 @@ class Packed:
         for i in self.floating:
             grad = leaves[i].grad
             grads.append(torch.zeros_like(leaves[i]) if grad is None else grad)
-        return self._join(grads, [self.likes[i] for i in self.floating])
+        # on the leaves' device even when no value carries a gradient (an empty message)
+        return self._join(grads, [self.likes[i] for i in self.floating], leaves[0].device)
 
     def unpack_grads(self, message: torch.Tensor) -> list[torch.Tensor | None]:
         """Per value, its gradient (``None`` for the values that carry none)."""

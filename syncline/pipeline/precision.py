@@ -42,7 +42,7 @@ import torch
 
 from syncline import comm
 from syncline.dp.compression import Compressor
-from syncline.dp.precision import LossScaler, autocast, unscale_and_flag
+from syncline.dp.precision import LossScaler, autocast, non_finite_into, unscale_and_flag
 
 __all__ = ["PipelinePrecision"]
 
@@ -114,9 +114,20 @@ class PipelinePrecision:
             )
         self._flags[batch] = unscale_and_flag(bucket, 1.0 / scale, self._flags.get(batch))
 
-    def _flagged(self, batch: int) -> bool:
+    def _flag(self, batch: int) -> torch.Tensor | bool:
+        """The REDUCE's inf/NaN flag of ``batch`` on the device (``False``: none kept)."""
         flag = self._flags.get(batch)
-        return flag is not None and bool(flag)
+        return False if flag is None else flag
+
+    def _late_overflow(self, batch: int, grads: list[torch.Tensor]) -> bool:
+        """Whether a STEP after the batch's verdict (another stage of this rank, interleaved)
+        holds an inf/NaN the verdict did not see: one fused check, one host read."""
+        flag = torch.zeros(1, dtype=torch.float32, device=self._device)
+        non_finite_into(grads, flag)
+        late = self._flags.get(batch)
+        if late is not None:
+            flag.add_(late.to(device=flag.device, dtype=flag.dtype).reshape(1))
+        return bool(flag.item() > 0)
 
     def before_step(
         self, batch: int, grads: list[torch.Tensor], local: Callable[[], list[torch.Tensor]]
@@ -134,17 +145,15 @@ class PipelinePrecision:
                     f"expected: {self._next_verdict})"
                 )
             value = self.scaler.value
-            found = self.scaler.overflowed(
-                local(), f"loss-scale overflow verdict of step {batch}", self._flagged(batch)
+            found = self.scaler.overflowed(  # the step's one host read
+                local(), f"loss-scale overflow verdict of step {batch}", self._flag(batch)
             )
             self._verdict, self._judged_at = (batch, 0.0 if found else value), value
             self.scaler.update(found)
             self._next_verdict = batch + 1
             for old in [b for b in self._flags if b < batch]:
                 del self._flags[old]
-        elif self._verdict[1] != 0.0 and (
-            self._flagged(batch) or any(not bool(torch.isfinite(g).all()) for g in grads)
-        ):
+        elif self._verdict[1] != 0.0 and self._late_overflow(batch, grads):
             raise RuntimeError(  # a later stage of this rank overflowed after the verdict
                 f"precision='fp16': a stage's gradient of batch {batch} is not finite, but "
                 "the batch's verdict (taken at this rank's first STEP) found none"

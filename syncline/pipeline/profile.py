@@ -3,19 +3,21 @@
 The balancer (:mod:`syncline.partition`) takes numbers; this produces them, as torchgpipe's
 ``balance_by_time`` does: run the layers one after another on a sample micro-batch, time the
 forward and the backward of each (median of ``repeats`` runs after one warm-up), and count
-what autograd saves. Parameters' ``.grad`` and the RNG state are left as they were.
+what autograd saves. Parameters' ``.grad`` and the RNG state are left as they were. Times
+come from :class:`syncline.comm.device.Stopwatch` (CUDA events on a GPU: the work, not its
+launch; ``perf_counter`` on the CPU).
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from syncline.comm.device import Stopwatch
 from syncline.pipeline.memory import StashMeter, storage_key
 
 
@@ -40,11 +42,6 @@ class LayerProfile:
     params: list[int] = field(default_factory=list)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def profile_layers(
     layers: nn.Sequential,
     sample: torch.Tensor,
@@ -62,6 +59,7 @@ def profile_layers(
     """
     grads = {p: p.grad for p in layers.parameters()}
     seconds, act, weights, forwards, outputs, params = [], [], [], [], [], []
+    forward, both = Stopwatch(sample.device), Stopwatch(sample.device)
     with torch.random.fork_rng(devices=[sample.device] if sample.device.type == "cuda" else []):
         h = sample
         for index, original in enumerate(layers):
@@ -71,20 +69,19 @@ def profile_layers(
                 x = h.detach().requires_grad_(h.is_floating_point())
                 meter = StashMeter()
                 skip = {storage_key(p)[0] for p in layer.parameters()}
-                _sync(sample.device)
-                t0 = time.perf_counter()
+                both.start()
+                forward.start()
                 with meter.recording(rep, skip.copy):
                     out = layer(x)
                 if not isinstance(out, torch.Tensor):
                     raise TypeError(f"layer {index} returned {type(out).__name__}, not a tensor")
-                _sync(sample.device)
-                t1 = time.perf_counter()
+                forward.stop()
                 if out.requires_grad:
                     out.backward(torch.ones_like(out))
-                _sync(sample.device)
+                both.stop()
                 if rep:
-                    times.append(time.perf_counter() - t0)
-                    ftimes.append(t1 - t0)
+                    times.append(both.elapsed_s())
+                    ftimes.append(forward.elapsed_s())
                 saved = meter.peak
             seconds.append(statistics.median(times))
             forwards.append(min(statistics.median(ftimes), seconds[-1]))

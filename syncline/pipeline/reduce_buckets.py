@@ -152,15 +152,19 @@ class BucketedReduce:
             flat = torch.empty(numel, dtype=tensors[0].dtype, device=tensors[0].device)
             self._buffers[k] = flat
         layout, offset = [], 0
-        with torch.no_grad():
-            for t in tensors:
-                view = flat[offset : offset + t.numel()].view_as(t)
-                layout.append((offset, tuple(t.shape)))
-                offset += t.numel()
-                if t.grad is None:
-                    view.zero_()
-                else:
-                    view.copy_(t.grad)
+        views = []
+        for t in tensors:
+            views.append(flat[offset : offset + t.numel()].view_as(t))
+            layout.append((offset, tuple(t.shape)))
+            offset += t.numel()
+        with torch.no_grad():  # one fused copy (and one zero) per bucket, not one per tensor
+            pairs = zip(views, tensors, strict=True)
+            filled = [(v, t.grad) for v, t in pairs if t.grad is not None]
+            if filled:
+                torch._foreach_copy_([v for v, _ in filled], [g for _, g in filled])
+            empty = [v for v, t in zip(views, tensors, strict=True) if t.grad is None]
+            if empty:
+                torch._foreach_zero_(empty)
             if self._prepare is not None:
                 self._prepare(armed.batch, flat)
         ref = BucketRef(k * self._d + self.stage, armed.batch, tuple(layout))

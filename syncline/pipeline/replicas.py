@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from syncline import comm
+from syncline.comm.device import comm_device
 from syncline.dp.compression import Compressor, NoCompression
 from syncline.errors import CommError, ConfigError
 from syncline.pipeline.reduce_buckets import BucketedReduce
@@ -99,6 +100,8 @@ class StageReplicas:
         prepare: called as ``prepare(batch, bucket)`` on each bucket before the compressor
             takes it (fp16 beside an error-feedback compressor: the unscale,
             :meth:`syncline.pipeline.precision.PipelinePrecision.unscale_bucket`).
+        device: where the stages compute; the setup's messages go on the group's
+            communication device for it (:func:`syncline.comm.device.comm_device`).
     """
 
     def __init__(
@@ -111,8 +114,11 @@ class StageReplicas:
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         allreduce: comm.Collective | None = None,
         prepare: Callable[[int, torch.Tensor], None] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.group = group
+        compute = torch.device("cpu") if device is None else device
+        self._wire = comm_device(comm.backend_name(group), compute)
         self._prepare = prepare
         self.compression = compression
         self.ranks = comm.group_ranks(group)
@@ -153,14 +159,17 @@ class StageReplicas:
             ConfigError: naming each replica's values that differ from the first's.
         """
         what = "pipeline shape check"
-        mine = torch.tensor(list(signature), dtype=torch.int64)
+        mine = torch.tensor(list(signature), dtype=torch.int64, device=self._wire)
         pending, rows = self._comm.allgather(mine, what)
         self._wait(pending, what)
-        first = rows[0].tolist()
+        if mine.is_meta:  # a stand-in device in tests (fake backend): no values to compare
+            return
+        table = torch.stack(rows).tolist()  # read on the host once, at setup
+        first = table[0]
         diff = [
             f"rank {rank}: {name}={a} (rank {self.ranks[0]}: {b})"
-            for rank, row in zip(self.ranks, rows, strict=True)
-            for name, a, b in zip(SIGNATURE, row.tolist(), first, strict=True)
+            for rank, row in zip(self.ranks, table, strict=True)
+            for name, a, b in zip(SIGNATURE, row, first, strict=True)
             if a != b
         ]
         if diff:
@@ -179,13 +188,21 @@ class StageReplicas:
             self.broadcast_weights(s, part)
 
     def agree(self, values: torch.Tensor, what: str) -> None:
-        """Overwrite ``values`` with the first replica's (a profiled balance)."""
+        """Overwrite ``values`` with the first replica's (a profiled balance); ``values``
+        on the group's communication device."""
         self._broadcast([values], what)
 
     def broadcast_weights(self, stage: int, module: nn.Module) -> None:
-        """Start every replica from the first replica's weights and buffers, as DDP does."""
+        """Start every replica from the first replica's weights and buffers, as DDP does
+        (they travel from where they are when that is the communication device; else through
+        a copy there, written back)."""
         tensors = [*module.parameters(), *module.buffers()]
-        self._broadcast(tensors, f"broadcast of stage {stage}'s weights")
+        moved = [t if t.device == self._wire else t.detach().to(self._wire) for t in tensors]
+        self._broadcast(moved, f"broadcast of stage {stage}'s weights")
+        with torch.no_grad():
+            for t, m in zip(tensors, moved, strict=True):
+                if m is not t:
+                    t.copy_(m)
 
     def _buckets(self, stage: int) -> BucketedReduce:
         reducer = self._reducers.get(stage)

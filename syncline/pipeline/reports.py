@@ -6,12 +6,11 @@ Kept apart from the runtime, which runs the actions; these only read what it rec
 
 from __future__ import annotations
 
-from collections import deque
-
 from syncline.pipeline.links import Links
 from syncline.pipeline.memory import StageMemoryStats
 from syncline.pipeline.replicas import StageReplicas
 from syncline.pipeline.stage import Stage
+from syncline.pipeline.timing import ActionClock
 from syncline.schedule import Event, Plan, Timeline
 
 
@@ -21,7 +20,7 @@ class PipelineReports:
     _links: Links
     _replicas: StageReplicas | None
     _stages: dict[int, Stage]
-    _events: deque[Event]
+    _clock: ActionClock
     _plan: Plan
     _rank: int
 
@@ -58,11 +57,13 @@ class PipelineReports:
         """This rank's executed actions as a :class:`~syncline.schedule.Timeline`, in seconds.
 
         Times are ``time.perf_counter()`` minus ``origin`` (default: this rank's first
-        start). On Linux that clock is shared by the processes of a machine, so a trainer
-        can gather ``trace(origin=0.0)`` from every rank, subtract the smallest start and
-        merge the events; ``to_chrome_trace(timeline, us_per_unit=1e6)`` writes it.
+        start); on CUDA each action's interval is that of its work on the device, from CUDA
+        events placed on the same clock (:mod:`syncline.pipeline.timing`; reading them waits
+        for the last ones). On Linux that clock is shared by the processes of a machine, so a
+        trainer can gather ``trace(origin=0.0)`` from every rank, subtract the smallest start
+        and merge the events; ``to_chrome_trace(timeline, us_per_unit=1e6)`` writes it.
         """
-        events = list(self._events)
+        events = self._clock.events()
         base = origin if origin is not None else (events[0].start if events else 0.0)
         shifted = tuple(Event(e.rank, e.action, e.start - base, e.end - base) for e in events)
         return Timeline(self._plan.name, {self._rank: shifted})

@@ -8,10 +8,13 @@ action; a peer that waits on a failed rank gets a connection error or times out 
 ``timeout_s``, naming its own rank, step and action, so no rank hangs. After a failure the
 pipeline refuses further calls (its stages are mid-batch); build a new one.
 
-Messages go through :class:`~syncline.pipeline.links.Links` (shapes, tags, receives posted
-early). Sends are asynchronous; a call waits at its end for the sends of earlier calls (a 2BW
-call sends the next batch's first activations, which the next stage receives in its next
-call), then broadcasts the batch loss from the last stage, which every rank returns.
+Messages go through :class:`~syncline.pipeline.links.Links` (shapes, tags; on gloo receives
+posted early, on NCCL each run of SEND/RECV actions issued as one group, the shapes inferred
+by :mod:`syncline.pipeline.shapes`). Sends are asynchronous; a call waits at its end for the
+sends of earlier calls (a 2BW call sends the next batch's first activations, which the next
+stage receives in its next call), then broadcasts the batch loss from the last stage, which
+every rank returns. The loss stays on the device (``train_step(..., return_tensor=True)``);
+only the float that ``train_step`` returns by default is read on the host.
 
 Data-parallel replicas (PipeDream-2BW's width): with a ``data_parallel_group`` of ``w`` ranks,
 ``w`` such pipelines train on their own shards, and each stage's REDUCE action averages its
@@ -21,16 +24,15 @@ stages average the batch loss before broadcasting it, so every rank returns the 
 
 from __future__ import annotations
 
-import time
 import zlib
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, cast
+from typing import Any, Literal, cast, overload
 
 import torch
 from torch import nn
 
 from syncline import comm
+from syncline.comm.device import comm_device
 from syncline.comm.p2p import PointToPoint
 from syncline.dp.compression import Compressor
 from syncline.dp.precision import LossScaler
@@ -38,38 +40,42 @@ from syncline.errors import CommError, ConfigError
 from syncline.models.meta_init import LayerInit
 from syncline.models.meta_modules import ModuleInit
 from syncline.partition import stage_bounds
-from syncline.pipeline.actions import ActionHandlers, final_backwards
 from syncline.pipeline.batches import Batch, Inputs, split_inputs, take_batch, to_device
-from syncline.pipeline.build import build_stages, build_traced_stages, profiled_split
-from syncline.pipeline.checks import check_args, check_callables
+from syncline.pipeline.build import (
+    build_stages,
+    build_traced_stages,
+    profiled_split,
+    sequential_boundaries,
+    traced_boundaries,
+)
+from syncline.pipeline.calls import CallRunner, StageError
+from syncline.pipeline.checks import check_args, check_callables, check_device
 from syncline.pipeline.config import DEFAULT_SCHEDULE, PipelineConfig
 from syncline.pipeline.evaluate import ForwardOnly
 from syncline.pipeline.links import Links, tied_tag
 from syncline.pipeline.precision import PipelinePrecision
 from syncline.pipeline.replicas import StageReplicas, check_compression, check_groups
 from syncline.pipeline.reports import PipelineReports
+from syncline.pipeline.shapes import BoundaryShapes
 from syncline.pipeline.split import full_state
 from syncline.pipeline.stage import LossFn, OptimizerFactory, Stage
 from syncline.pipeline.tied import TiedGradients
+from syncline.pipeline.timing import ActionClock
 from syncline.pipeline.trace import TracedModel
 from syncline.schedule import (
     SCHEDULES,
     Action,
     ActionKind,
-    Event,
     Plan,
-    Segment,
     build_plan,
 )
+from syncline.schedule.nccl import nccl_plan
 
 K = ActionKind
+Batches = Iterator[tuple[Any, torch.Tensor]]
 
 
-class StageError(RuntimeError):
-    """A stage failed while executing an action; the message names rank, step and action."""
-
-
-class Pipeline(ActionHandlers, PipelineReports):
+class Pipeline(CallRunner, PipelineReports):
     """Pipeline-parallel training of an ``nn.Sequential``, or of any model split at named
     modules: one rank per stage, optionally times ``w`` data-parallel replicas of the whole
     pipeline.
@@ -122,8 +128,10 @@ class Pipeline(ActionHandlers, PipelineReports):
         replica_allreduce: the REDUCE's collective over ``data_parallel_group`` (default a
             flat ring), e.g. ``build_allreduce("hierarchical", dp_group, timeout_s=...,
             ranks_per_node=k)`` when a stage's replicas span nodes.
-        timeout_s: the longest any wait on another rank may take.
-        device: where the stage runs; default: where the module's parameters are.
+        timeout_s: the longest any wait on another rank may take (under NCCL the process
+            group's own timeout bounds the point-to-point waits, which do not block the host).
+        device: where the stage runs; default: where the module's parameters are. A
+            pipeline of several ranks on CUDA needs NCCL (gloo sends only CPU tensors).
         init: ``init(index, layer)`` for a model built on the meta device: each rank
             materialises only its stages' layers, layer ``index`` of the full model from
             its own seed (:mod:`syncline.models.meta_init`; default ``reset_parameters``),
@@ -213,6 +221,11 @@ class Pipeline(ActionHandlers, PipelineReports):
         first = next(module.parameters(), None)
         default = first.device if first is not None and not first.is_meta else torch.device("cpu")
         self._device = torch.device(device) if device is not None else default
+        backend = comm.backend_name(process_group)
+        if backend != "gloo":  # the order NCCL cannot deadlock on (syncline.schedule.nccl)
+            self._plan = nccl_plan(self._plan)
+        wire = comm_device(backend, self._device)
+        check_device(backend, self._device, wire, size)
         dp = [data_parallel_group] if width > 1 else []
         self._precision = PipelinePrecision(precision, [process_group, *dp], self._timeout_s,
             self._device, self._compression if dp else None)  # fmt: skip
@@ -220,7 +233,7 @@ class Pipeline(ActionHandlers, PipelineReports):
         self._replicas = (
             StageReplicas(data_parallel_group, self._compression, self._timeout_s,
                           num_stages=num_stages, bucket_cap_mb=reduce_bucket_mb,
-                          allreduce=replica_allreduce, prepare=unscale)
+                          allreduce=replica_allreduce, prepare=unscale, device=self._device)
             if width > 1
             else None
         )  # fmt: skip
@@ -236,14 +249,19 @@ class Pipeline(ActionHandlers, PipelineReports):
         self._batches: dict[int, Batch] = {}
         self._inbox: dict[tuple[ActionKind, int, int, int], torch.Tensor] = {}
         self._final: set[Action] = set()  # this call's backwards that arm a REDUCE
+        self._boundaries: BoundaryShapes | None = None  # inferred shapes, once set up
         self._links = Links(
-            PointToPoint(process_group, timeout_s=self._timeout_s, device=self._device),
+            PointToPoint(process_group, timeout_s=self._timeout_s, device=wire),
             self._plan.schedule,
             num_microbatches,
-            early=comm.backend_name(process_group) == "gloo",
+            early=backend == "gloo",
+            grouped=backend != "gloo",
             signature=self._signature,
+            infer=self._infer,
         )
-        self._events: deque[Event] = deque(maxlen=200_000)
+        self._connected = backend == "gloo"  # NCCL: one collective before the first group
+        self._ahead: dict[str, list[tuple[int, ActionKind, int, int]]] = {}
+        self._clock = ActionClock(self._device, self._rank)
         self._broken: str | None = None
         self._call = 0
         self._handlers: dict[ActionKind, Callable[[Action], None]] = {
@@ -349,8 +367,15 @@ class Pipeline(ActionHandlers, PipelineReports):
         self._require_setup()
         return [self._stages[s].optimizer for s in self.stages]
 
-    def train_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Train on the next batch of ``batches``; returns its mean loss on every rank.
+    @overload
+    def train_step(self, batches: Batches, *, return_tensor: Literal[False] = False) -> float: ...
+    @overload
+    def train_step(self, batches: Batches, *, return_tensor: Literal[True]) -> torch.Tensor: ...
+
+    def train_step(self, batches: Batches, *, return_tensor: bool = False) -> float | torch.Tensor:
+        """Train on the next batch of ``batches``; returns its mean loss on every rank: a
+        float, or with ``return_tensor`` a float64 tensor ``[1]`` on the device, not read
+        on the host (no sync: a trainer reads it when it logs).
 
         Takes one ``(inputs, targets)`` batch per call (2BW may take the following one
         already and start it); stage 0 uses the inputs, the last stage the targets, but
@@ -392,12 +417,18 @@ class Pipeline(ActionHandlers, PipelineReports):
         self._queued = self._in_flight = None
         loss = self._run_call(self._plan.choose(in_flight, nxt is not None), current, nxt)
         self._in_flight = nxt
-        return loss
+        return loss if return_tensor else float(loss.item())
 
-    def flush(self) -> float | None:
+    @overload
+    def flush(self, *, return_tensor: Literal[False] = False) -> float | None: ...
+    @overload
+    def flush(self, *, return_tensor: Literal[True]) -> torch.Tensor | None: ...
+
+    def flush(self, *, return_tensor: bool = False) -> float | torch.Tensor | None:
         """Finish all in-flight work (2BW: the batch started early, with its STEP).
 
-        Returns the loss of the batch it finished, or ``None`` if nothing was in flight.
+        Returns the loss of the batch it finished (a float, or with ``return_tensor`` the
+        device tensor, as :meth:`train_step`), or ``None`` if nothing was in flight.
         After a flush the next batch runs on the newest weights, as the first batch did.
         """
         self._check_usable()
@@ -408,7 +439,9 @@ class Pipeline(ActionHandlers, PipelineReports):
         self._links.wait_sends(self._call, everything=True)
         for stage in self._stages.values():
             stage.end_run()
-        return loss
+        if loss is None or return_tensor:
+            return loss
+        return float(loss.item())
 
     def eval_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """The mean loss of the next batch of ``batches``, forward only, on every rank (with
@@ -432,7 +465,8 @@ class Pipeline(ActionHandlers, PipelineReports):
         self._require_setup()
         self._evals += 1
         run = ForwardOnly(self._links.p2p, self._plan.schedule, self._stages, self._m,
-                          self._device, self._evals, self._loss_fn, self._replicas)  # fmt: skip
+                          self._device, self._evals, self._loss_fn, self._replicas,
+                          in_lockstep=self._links.grouped)  # fmt: skip
         try:
             return what(run)
         except CommError as exc:
@@ -460,6 +494,9 @@ class Pipeline(ActionHandlers, PipelineReports):
             shape=self._shape(), make_stage=self._make_stage,
         )  # fmt: skip
         self._balance = split
+        self._boundaries = sequential_boundaries(
+            self._module, split, self._device, self._precision.autocast
+        )
 
     def _setup_traced(self, example: Inputs) -> None:
         """Split the model at the split points on ``example`` (one micro-batch) and build
@@ -475,6 +512,7 @@ class Pipeline(ActionHandlers, PipelineReports):
             lambda group, batch, stage: tied_tag(self._d, group, batch, stage),
         )  # fmt: skip
         self._traced = traced
+        self._boundaries = traced_boundaries(traced, self._precision.precision)
 
     def _shape(self) -> list[int]:
         """What every replica of this rank's stages must agree on."""
@@ -498,43 +536,3 @@ class Pipeline(ActionHandlers, PipelineReports):
         self._check_inputs(batch)
         self._next_batch += 1
         return batch
-
-    # -- one call ----------------------------------------------------------------------------
-
-    def _run_call(self, segment: Segment, current: Batch, nxt: Batch | None) -> float:
-        self._batches = {current.index: current}
-        if nxt is not None:
-            self._batches[nxt.index] = nxt
-        actions = segment.at(self._rank, current.index)
-        self._final = final_backwards(actions) if self._replicas is not None else set()
-        self._call += 1
-        try:
-            self._links.expect_call(actions)
-            if self._d - 1 not in self._stages:
-                self._links.expect_loss(current.index, self._last_rank)
-        except CommError as exc:
-            self._broken = str(exc)
-            raise
-        for action in actions:
-            start = time.perf_counter()
-            try:
-                self._links.progress()
-                self._handlers[action.kind](action)
-            except CommError as exc:
-                self._broken = str(exc)
-                raise
-            except Exception as exc:
-                what = (
-                    f"rank {self._rank} (stage {action.stage}): {action.kind.name} "
-                    f"mb {action.microbatch} of step {action.batch} ({action}) failed: "
-                    f"{type(exc).__name__}: {exc}"
-                )
-                self._broken = what
-                raise StageError(what) from exc
-            self._events.append(Event(self._rank, action, start, time.perf_counter()))
-        try:
-            self._links.wait_sends(self._call, everything=segment.kind in ("drain", "single"))
-            return self._broadcast_loss(current.index)
-        except CommError as exc:
-            self._broken = str(exc)
-            raise

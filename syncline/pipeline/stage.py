@@ -190,9 +190,10 @@ class Stage:
                 out, loss = self._run(received, inputs, params, target)
             mb.output, mb.loss = out, loss
             self.meter.add(key, received if self.last else [*received, *out])
-        if loss is not None:
-            total = self._loss_sum.get(batch, torch.zeros((), dtype=torch.float64))
-            self._loss_sum[batch] = total + loss.detach().to("cpu", torch.float64)
+        if loss is not None:  # summed on the device: no host sync per micro-batch
+            value = loss.detach().to(torch.float64)
+            total = self._loss_sum.get(batch)
+            self._loss_sum[batch] = value if total is None else total + value
         return None if self._out is None else self._out.pack(out, self.index)
 
     @staticmethod
@@ -307,9 +308,10 @@ class Stage:
         if self.versions is not None:
             self.versions.renumber(version)
 
-    def pop_loss(self, batch: int) -> float:
-        """Mean loss of ``batch``'s micro-batches (last stage only)."""
-        return float(self._loss_sum.pop(batch)) / self._m
+    def pop_loss(self, batch: int) -> torch.Tensor:
+        """Mean loss of ``batch``'s micro-batches (last stage only): a float64 ``[1]`` on the
+        loss's device, not read on the host."""
+        return (self._loss_sum.pop(batch) / self._m).reshape(1)
 
     def end_run(self) -> None:
         """No batch in flight any more (flush): drop the older weight version."""

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from syncline.comm.p2p import PointToPoint
+from syncline.comm.p2p import Op, PointToPoint
 from syncline.errors import ConfigError
 
 #: ``tag(group, batch, sending stage)``
@@ -64,34 +64,26 @@ class TiedGradients:
 
     def sum(self, stage: int, batch: int, holders: Mapping[str, torch.Tensor]) -> None:
         """Replace the ``.grad`` of ``stage``'s tied copies (in ``holders``, by name) by the
-        sum over all copies of batch ``batch``'s gradients; blocks until the others' come."""
+        sum over all copies of batch ``batch``'s gradients; blocks until the others' come.
+        Each tied group's sends and receives go out as one group (:meth:`PointToPoint.batch`,
+        which NCCL launches together, so no holder's send waits behind another's)."""
         for k in self.groups_of(stage):
             group = self._groups[k]
             mine = holders[group[stage]]
             grad = torch.zeros_like(mine) if mine.grad is None else mine.grad
+            payload = grad.detach().contiguous()
             parts = {stage: grad}
-            pending = []
-            for other in sorted(group):  # the lower stage sends first (NCCL matches in order)
+            ops = []
+            for other in sorted(group):
                 if other == stage:
                     continue
                 peer = self._rank_of(other)
-                what = f"tied gradient {group[stage]!r} of step {batch}"
-                like = (tuple(grad.shape), grad.dtype)
-                for op in ("send", "recv") if stage < other else ("recv", "send"):
-                    if op == "send":
-                        tag = self._tag(k, batch, stage)
-                        pending.append(
-                            self._p2p.send(grad, peer, tag=tag, what=f"{what} to rank {peer}",
-                                           header=False)
-                        )  # fmt: skip
-                    else:
-                        tag = self._tag(k, batch, other)
-                        parts[other] = self._p2p.recv(
-                            peer, tag=tag, what=f"{what} from rank {peer}", like=like
-                        )
+                parts[other] = torch.empty_like(payload)
+                ops.append(Op(True, payload, peer, self._tag(k, batch, stage)))
+                ops.append(Op(False, parts[other], peer, self._tag(k, batch, other)))
+            what = f"tied gradient {group[stage]!r} of step {batch} with stages {sorted(group)}"
+            self._p2p.batch(ops, what).wait()
             total = parts[min(parts)].clone()
             for s in sorted(parts)[1:]:
                 total += parts[s]
-            for p in pending:
-                p.wait()
             mine.grad = total

@@ -132,3 +132,19 @@ def traced_stages(traced: TracedModel, stages: Sequence[int]) -> dict[int, Trace
             out_codec=codec_of([likes[v] for v in sent]) if s < d - 1 else None,
         )  # fmt: skip
     return out
+
+
+def boundary_likes(traced: TracedModel, precision: str) -> list[Like | None]:
+    """Per boundary ``s -> s+1`` of ``traced``, the message that crosses it, known without
+    running anything (:mod:`syncline.pipeline.shapes`): a packet's layout is fixed by the
+    trace; so is a single floating value, unless autocast may change its dtype (the trace
+    ran without it): ``None``, unknown, and such messages carry shape headers."""
+    likes = _likes(traced)
+    out: list[Like | None] = []
+    for values in carried(traced):
+        codec = codec_of([likes[v] for v in values])
+        if isinstance(codec, Packed):
+            out.append(((codec.nbytes,), torch.uint8))
+        else:
+            out.append(likes[values[0]] if precision == "fp32" else None)
+    return out

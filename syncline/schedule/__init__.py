@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from syncline.schedule.generators import gpipe, interleaved_1f1b, one_f_one_b, two_bw
 from syncline.schedule.ir import Action, ActionKind, Schedule, ScheduleError, parse_action
+from syncline.schedule.nccl import align_receives, check_nccl_order, nccl_plan, p2p_batches
 from syncline.schedule.passes import add_communication, add_recompute
 from syncline.schedule.plan import Plan, Segment
 from syncline.schedule.registry import SCHEDULES, ScheduleSpec, build_plan, check_microbatches
@@ -39,12 +40,16 @@ __all__ = [
     "Timeline",
     "add_communication",
     "add_recompute",
+    "align_receives",
     "bubble_fraction",
     "build_plan",
     "check_microbatches",
+    "check_nccl_order",
     "gpipe",
     "interleaved_1f1b",
+    "nccl_plan",
     "one_f_one_b",
+    "p2p_batches",
     "parse_action",
     "render_grid",
     "simulate",

@@ -107,7 +107,7 @@ def run_ranks_emulated(
         import torch
 
         return [
-            torch.load(os.path.join(workdir, f"rank{r}.pt"), weights_only=False)
+            torch.load(os.path.join(workdir, f"rank{r}.pt"), weights_only=False, map_location="cpu")
             for r in range(world)
         ]
     finally:

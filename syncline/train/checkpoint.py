@@ -56,8 +56,12 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> Path
     return target
 
 
-def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read and verify a checkpoint written by :func:`save_checkpoint`.
+def load_checkpoint(
+    path: str | os.PathLike[str], map_location: str | torch.device = "cpu"
+) -> dict[str, Any]:
+    """Read and verify a checkpoint written by :func:`save_checkpoint`, its tensors on
+    ``map_location`` (default the CPU: a checkpoint of a GPU run is read on a CPU-only host,
+    and nothing lands on a GPU the reader did not choose).
 
     Raises:
         CheckpointError: when the file is missing, not a syncline checkpoint, truncated,
@@ -78,7 +82,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
             "does not match the recorded digest"
         )
     try:
-        state = torch.load(io.BytesIO(payload), weights_only=True)
+        state = torch.load(io.BytesIO(payload), map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(

@@ -16,14 +16,47 @@ from typing import Any
 import torch
 from torch import nn
 
+from syncline.comm.device import local_device, peak_memory_bytes
 from syncline.data.heldout import holdout
 from syncline.data.registry import build_dataset as build_registered_dataset
 from syncline.dp.compression import Compressor
 from syncline.errors import ConfigError
+from syncline.launch.devices import device_kind, resolved_backend
 from syncline.models.meta_init import LayerInit, materialize
 from syncline.optim import Lamb, Lars
 from syncline.registry import resolve
 from syncline.train.config import TrainConfig
+
+
+def rank_backend_and_device(cfg: TrainConfig, local_rank: int) -> tuple[str, torch.device]:
+    """The backend and the device of the rank with ``local_rank`` on its node, made its
+    current CUDA device: ``auto`` is NCCL on a GPU node; under NCCL the rank computes on
+    ``cuda:(local_rank % visible GPUs)`` (a scheduler that gives each rank one visible GPU
+    makes ``cuda:local_rank`` invalid for every rank but the first), under gloo on the CPU.
+
+    Raises:
+        ConfigError: backend nccl on a node without a visible GPU.
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = resolved_backend(cfg.backend, gpus)
+    device = local_device(device_kind(backend), local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's communicators and the caching allocator
+    return backend, device
+
+
+def rank_memory(device: torch.device) -> dict[str, Any]:
+    """This rank's peak memory so far: on its device (:func:`peak_memory_bytes`:
+    ``torch.cuda.max_memory_allocated`` on a GPU, the resident set on the CPU) and the
+    process's resident set, which the CPU-era summaries reported."""
+    peak = peak_memory_bytes(device)
+    rss = peak if peak.kind == "rss" else peak_memory_bytes(torch.device("cpu"))
+    return {
+        "kind": peak.kind,
+        "bytes": peak.bytes,
+        "reserved_bytes": peak.reserved_bytes,
+        "rss_bytes": rss.bytes,
+    }
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:

@@ -18,6 +18,7 @@ from syncline.dp.config import PRECISIONS
 from syncline.dp.registry import COMPRESSORS, compressor_name, forms, parse
 from syncline.errors import ConfigError
 from syncline.fields import check_positive, check_positive_int, option
+from syncline.launch.devices import CPU_NPROC_PER_NODE, refuse_emulated_nccl
 from syncline.models.factory import check_split_points, split_names
 from syncline.models.registry import ModelSpec, model_forms, model_spec
 from syncline.partition import check_balance
@@ -154,8 +155,14 @@ class TrainConfig:
     ``named_modules()``, e.g. ``transformer.h.2``) where stages 2, 3, ... begin; the model
     is traced and cut there (torch's pipeline splitter), called as ``model(**{its forward's
     first argument: inputs})``."""
-    nproc_per_node: int = option(2, group=_LAUNCH, flags=("--nproc-per-node", "--nproc"))
-    """Processes (ranks) on this node."""
+    nproc_per_node: int = option(
+        CPU_NPROC_PER_NODE,
+        group=_LAUNCH,
+        flags=("--nproc-per-node", "--nproc"),
+        default_text=f"one per visible GPU under nccl, else {CPU_NPROC_PER_NODE}",
+    )
+    """Processes (ranks) on this node, each on its own device: ``cuda:(LOCAL_RANK % visible
+    GPUs)`` under NCCL, the CPU under gloo."""
     nnodes: int = option(1, group=_LAUNCH)
     """Number of nodes."""
     node_rank: int = option(0, group=_LAUNCH)
@@ -169,7 +176,8 @@ class TrainConfig:
     emulate_network: str | None = option(None, group=_LAUNCH, metavar="RATE")
     """Run each node in its own Linux network namespace on this machine, joined by
     tc-tbf-limited links of RATE (e.g. ``100mbit``); without ``nnodes`` every rank is its
-    own node. Needs root and iproute2; everything it creates is removed afterwards."""
+    own node. Needs root and iproute2; everything it creates is removed afterwards. CPU
+    ranks over gloo only (NCCL would bypass the emulated links)."""
     plugins: tuple[str, ...] = option(
         (), group=_LAUNCH, flags=("--plugin",), metavar="MODULE", default_text="none"
     )
@@ -323,6 +331,8 @@ class TrainConfig:
             raise ConfigError(f"nnodes={self.nnodes} needs --rdzv-endpoint HOST:PORT")
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend={self.backend!r}; valid: {', '.join(BACKENDS)}")
+        if self.emulate_network is not None and self.backend == "nccl":
+            refuse_emulated_nccl(self.emulate_network, "given")
         if self.inject_failure is not None:
             self.failure_point()
         ALLREDUCE.get(self.allreduce)

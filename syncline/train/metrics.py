@@ -41,22 +41,24 @@ def timed_record(
     *,
     samples: int,
     tokens_per_sample: int,
-    started: float,
+    step_s: float,
     run_started: float,
     wire_bytes: int | None = 0,
     collectives: int = 0,
     exposed_comm_s: float = 0.0,
     wire_split: dict[str, int] | None = None,
     wire_steps: list[int] | None = None,
-    ended: float | None = None,
     val_loss: float | None = None,
     val_ppl: float | None = None,
 ) -> StepRecord:
-    """The record of a step that began at ``started`` (``time.perf_counter()``) and ended at
-    ``ended`` (default: now; a validation after the step is not the step's time); both
-    training loops (data parallel, pipeline) log through it, so the rates mean the same."""
+    """The record of a step that took ``step_s`` seconds, timed by a
+    :class:`~syncline.comm.device.Stopwatch` on the rank's device (CUDA events on a GPU,
+    whose work is asynchronous: the host's clock would time the kernel launches), in a run
+    that began at ``run_started`` (``time.perf_counter()``: wall-clock, for the elapsed time
+    and the ETA); both training loops (data parallel, pipeline) log through it, so the rates
+    mean the same."""
+    dt = step_s
     now = time.perf_counter()
-    dt = (now if ended is None else ended) - started
     return StepRecord(
         step=step,
         loss=loss,
@@ -94,6 +96,30 @@ class MetricsLog:
         self.records.append(record)
         with self.path.open("a") as f:
             f.write(json.dumps(asdict(record)) + "\n")
+
+
+def memory_summary(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary.json keys of every rank's peak memory (``syncline.train.common.rank_memory``),
+    in rank order:
+    ``peak_memory_bytes_per_rank`` on each rank's device with its ``peak_memory_kind``
+    (``cuda_max_allocated`` or ``rss``), ``peak_rss_bytes_per_rank`` (kept for the readers
+    of earlier summaries), and on GPUs the caching allocator's peak
+    (``peak_memory_reserved_bytes_per_rank``, what ``nvidia-smi`` sees).
+
+    Example:
+        >>> peak = {"kind": "rss", "bytes": 5, "reserved_bytes": None, "rss_bytes": 5}
+        >>> memory_summary([peak, peak])["peak_memory_bytes_per_rank"]
+        [5, 5]
+    """
+    kinds = sorted({m["kind"] for m in per_rank})
+    out: dict[str, Any] = {
+        "peak_memory_bytes_per_rank": [m["bytes"] for m in per_rank],
+        "peak_memory_kind": kinds[0] if len(kinds) == 1 else ",".join(kinds),
+        "peak_rss_bytes_per_rank": [m["rss_bytes"] for m in per_rank],
+    }
+    if any(m.get("reserved_bytes") is not None for m in per_rank):
+        out["peak_memory_reserved_bytes_per_rank"] = [m.get("reserved_bytes") for m in per_rank]
+    return out
 
 
 def summarize(records: list[StepRecord], skip: int = 1) -> dict[str, Any]:

@@ -15,7 +15,6 @@ import functools
 import itertools
 import json
 import os
-import resource
 import time
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -26,6 +25,7 @@ import torch
 from torch import nn
 
 from syncline import comm
+from syncline.comm.device import Stopwatch
 from syncline.comm.registry import build_allreduce
 from syncline.comm.topology import Topology
 from syncline.data import ShardedBatches
@@ -47,10 +47,11 @@ from syncline.train.common import (
     loss_for,
     lr_at,
     make_optimizer,
+    rank_memory,
     set_lr,
 )
 from syncline.train.config import TrainConfig
-from syncline.train.metrics import MetricsLog, plot_loss, summarize, timed_record
+from syncline.train.metrics import MetricsLog, memory_summary, plot_loss, summarize, timed_record
 from syncline.train.plots import plot_schedule
 from syncline.train.progress import Progress, human_bytes
 from syncline.train.sample import Sample, record_sample, sample_for
@@ -181,7 +182,8 @@ def train_pipeline(
         if progress is not None and cfg.tensorboard
         else None
     )
-    t_start = trace_from = time.perf_counter()
+    t_start = trace_from = time.perf_counter()  # wall clock: elapsed time, ETA, the trace
+    watch = Stopwatch(device)  # the step's time on its device (read at logged steps only)
     wire = _WireMeter(pipe, start, cfg.timeout_s, device)
     ends = _segment_ends(start, cfg.steps, cfg.checkpoint_every or 0)
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = iter(())
@@ -190,16 +192,16 @@ def train_pipeline(
             batches = itertools.islice(shard.batches(step), ends[step] - step)
         fail_if_injected(cfg, rank, step, attempt)
         armed = arm_failure(cfg, rank, step, attempt, model, per_layer=True)
-        t0 = time.perf_counter()
         if step == max(0, cfg.steps - TRACE_STEPS):
-            trace_from = t0
+            trace_from = time.perf_counter()  # the traced actions' clock (host time)
+        watch.start()
         lr = lr_at(cfg, step)
         if step:  # the first step builds the optimizers (with this lr) when it profiles
             set_lr(pipe.optimizers, lr)
         loss = pipe.train_step(batches)
         for handle in armed:
             handle.remove()
-        t_end = time.perf_counter()
+        watch.stop()
         validated: dict[str, float] = {}
         if validation.due(step):  # every rank; 2BW: on the newest weights, nothing disturbed
             validated = validation.metrics(validation.pipeline_loss(pipe))
@@ -213,12 +215,11 @@ def train_pipeline(
                 lr,
                 samples=cfg.batch_size,
                 tokens_per_sample=tokens_per_sample,
-                started=t0,
+                step_s=watch.elapsed_s(),
                 run_started=t_start,
                 wire_bytes=None if measured is None else sum(measured[0].values()),
                 wire_split=None if measured is None else measured[0],
                 wire_steps=None if measured is None else measured[1],
-                ended=t_end,
                 val_loss=validated.get("val_loss"),
                 val_ppl=validated.get("val_ppl"),
             )
@@ -244,7 +245,7 @@ def train_pipeline(
     pipe.flush()
     sample = _sample(cfg, pipe, dataset if held_out is None else held_out, tokens_per_sample, rank)
     gathered = comm.gather_objects(
-        _rank_results(pipe, trace_from, weights=rank % replicas == 0),
+        _rank_results(pipe, trace_from, device, weights=rank % replicas == 0),
         what="gather of stage weights and traces",
         timeout_s=cfg.timeout_s,
         device=device if device.type == "cuda" else None,
@@ -341,25 +342,39 @@ def _same_shape(meta: dict[str, Any], cfg: TrainConfig, world: int) -> bool:
     )
 
 
-def _rank_results(pipe: Pipeline, trace_from: float, *, weights: bool) -> dict[str, Any]:
+def _rank_results(
+    pipe: Pipeline, trace_from: float, device: torch.device, *, weights: bool
+) -> dict[str, Any]:
     """What rank 0 needs from this rank: weights and optimizer states (``weights``: only
     replica 0 sends them, the other replicas hold the same), memory, and the actions run
     from ``trace_from`` on (``perf_counter`` time: every action of the last calls, whatever
-    batch it belongs to, so that 2BW's overlap and the final flush are seen)."""
-    # peak resident memory of this process so far, before anything is copied for rank 0
-    # (Linux reports KiB)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    batch it belongs to, so that 2BW's overlap and the final flush are seen). Tensors go as
+    CPU tensors: rank 0 unpickles them, and a CUDA tensor would land on the sender's GPU
+    ordinal in rank 0's process (another rank's GPU, or none it can see)."""
+    # peak memory of this rank so far, before anything is copied for rank 0
+    memory = rank_memory(device)
     events = [e for evs in pipe.trace(origin=0.0).events.values() for e in evs]
     optimizers = zip(pipe.stages, pipe.optimizers, strict=True) if weights else ()
     state = pipe.local_state_dict() if weights else {}
     return {
         "state": {k: v.cpu() for k, v in state.items()},
-        "optimizers": {s: o.state_dict() for s, o in optimizers},
+        "optimizers": {s: _on_cpu(o.state_dict()) for s, o in optimizers},
         "memory": {s: asdict(m) for s, m in pipe.memory_stats().items()},
         "balance": stage_split(pipe),
         "events": [e for e in events if e.start >= trace_from],
-        "peak_rss_bytes": rss,
+        "peak_memory": memory,
     }
+
+
+def _on_cpu(obj: Any) -> Any:
+    """``obj`` (an optimizer's ``state_dict()``) with every tensor copied to the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _on_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_on_cpu(v) for v in obj)
+    return obj
 
 
 def merge_timelines(name: str, per_rank: list[list[Event]], *, shared_clock: bool) -> Timeline:
@@ -477,7 +492,7 @@ def _finish(
         memory=memory,
         traced_steps=[first, cfg.steps - 1],
         traced_bubble_fraction=bubble_fraction(timeline),
-        peak_rss_bytes_per_rank=[r["peak_rss_bytes"] for r in gathered],
+        **memory_summary([r["peak_memory"] for r in gathered]),
         traced_idle_per_rank={str(r): f for r, f in timeline.idle_fractions().items()},
         checkpoint=str(ckpt),
     )

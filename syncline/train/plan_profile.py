@@ -18,9 +18,16 @@ the planner reads. What is measured, and how each number is fitted:
 - point-to-point ping-pong between ranks 0 and 1 (latency and bandwidth, least squares) and
   allreduces over all ranks (the summing cost per byte on top of the wire);
 - how much a forward + backward slows while an allreduce runs beside it;
-- the memory a rank of ``syncline train`` holds before its model (peak resident bytes, the
+- the memory a rank of ``syncline train`` holds before its model (its peak memory, the
   trainer's modules loaded), and the workspace of a step: the peak of two real steps at
   each micro-batch size less that base, the model state and the stashed activations.
+
+Each rank profiles the device and the backend ``syncline train`` would give it with the same
+options (:func:`~syncline.train.common.rank_backend_and_device`: a GPU and NCCL on a GPU
+node), times device work with :class:`~syncline.comm.device.Stopwatch` (CUDA events on a
+GPU) and measures memory with :func:`~syncline.comm.device.peak_memory_bytes` (the CUDA
+allocator's peak on a GPU, the resident set on the CPU), as the run summary does; a GPU's
+memory per rank is its capacity.
 """
 
 from __future__ import annotations
@@ -29,10 +36,8 @@ import dataclasses
 import importlib
 import json
 import os
-import resource
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,6 +48,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from syncline import comm
 from syncline.comm.collectives import FlatAllreduce
+from syncline.comm.device import Stopwatch, peak_memory_bytes
 from syncline.comm.probe import overlap_slowdown, own_group, time_allreduce, time_ping_pong
 from syncline.data import ShardedBatches
 from syncline.dp.buckets import plan_buckets
@@ -53,20 +59,28 @@ from syncline.pipeline.profile import profile_layers
 from syncline.planner.costs import Affine, LayerCost, ModelCosts
 from syncline.planner.hardware import Cluster, Link
 from syncline.planner.search import DEFAULT_COMPRESSIONS
-from syncline.train.common import build_dataset, build_model_for, loss_for, make_optimizer
+from syncline.train.common import (
+    build_dataset,
+    build_model_for,
+    loss_for,
+    make_optimizer,
+    rank_backend_and_device,
+)
 from syncline.train.config import TrainConfig
 
 P2P_SIZES = (4096, 65536, 1 << 20, 4 << 20, 16 << 20)
 ALLREDUCE_SIZES = (65536, 1 << 20, 4 << 20, 16 << 20)
 
 
-def _median_time(fn: Callable[[], None], repeats: int = 5) -> float:
+def _median_time(fn: Callable[[], None], device: torch.device, repeats: int = 5) -> float:
+    """Median seconds of ``fn``'s work on ``device`` over ``repeats`` runs after a warm-up."""
     fn()
+    watch = Stopwatch(device)
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        watch.start()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(watch.stop().elapsed_s())
     return statistics.median(times)
 
 
@@ -92,12 +106,13 @@ def _layers(model: nn.Module) -> nn.Sequential:
 def _model_costs(
     cfg: TrainConfig, model: nn.Sequential, sizes: tuple[int, int], rank: int, world: int
 ) -> ModelCosts:
+    device = next(model.parameters()).device
     dataset, tokens = build_dataset(cfg)
     loss_fn = loss_for(cfg)
     profiles, losses, samples = [], [], []
     scales: list[float] = []  # the whole model's forward + backward over the sum of its parts
     for b in sizes:
-        x, y = ShardedBatches(dataset, b * world, rank, world, cfg.seed).batch(0)
+        x, y = _on(device, ShardedBatches(dataset, b * world, rank, world, cfg.seed).batch(0))
         samples.append(x)
         profiles.append(profile_layers(model, x, repeats=5))
         with torch.no_grad():
@@ -107,14 +122,14 @@ def _model_costs(
             z = out.detach().requires_grad_(True)
             loss_fn(z, y).backward()
 
-        losses.append(_median_time(loss_step))
+        losses.append(_median_time(loss_step, device))
 
         def whole(x: torch.Tensor = x, y: torch.Tensor = y) -> None:
             model.zero_grad(set_to_none=True)
             loss_fn(model(x), y).backward()
 
         parts = sum(profiles[-1].seconds) + losses[-1]
-        scales.append(_median_time(whole) / parts if parts > 0 else 1.0)
+        scales.append(_median_time(whole, device) / parts if parts > 0 else 1.0)
     model.zero_grad(set_to_none=True)
     (b1, b2), (p1, p2), (s1, s2) = sizes, profiles, scales
     losses = [losses[0] * s1, losses[1] * s2]
@@ -141,7 +156,7 @@ def _model_costs(
     for p in params:
         p.grad = torch.randn_like(p)
     opt = make_optimizer(cfg, params)
-    update = _median_time(opt.step)
+    update = _median_time(opt.step, device)
     x0 = samples[-1]
     return ModelCosts(
         name=cfg.model,
@@ -169,7 +184,8 @@ def _compressor_costs(model: nn.Module, solo: FlatAllreduce) -> dict[str, float]
         for b in plan.buckets
     ]
     total = buckets[-1][1]
-    flat = torch.randn(total)
+    device = params[0].device
+    flat = torch.randn(total, generator=torch.Generator().manual_seed(0)).to(device)
     out = {}
     for spec in DEFAULT_COMPRESSIONS:
         name = spec.split(":")[0]
@@ -185,7 +201,7 @@ def _compressor_costs(model: nn.Module, solo: FlatAllreduce) -> dict[str, float]
             for p in pending:
                 p.wait()
 
-        out[name] = _median_time(run) / (4 * total)
+        out[name] = _median_time(run, device) / (4 * total)
     base = out.get("none", 0.0)
     return {k: max(v - base, 0.0) for k, v in out.items()}
 
@@ -206,15 +222,31 @@ def _other_costs(cfg: TrainConfig, model: nn.Module, rank: int, world: int) -> d
             c.copy_(p)
 
     nbytes = sum(p.numel() * p.element_size() for p in params)
+    device = params[0].device
     return {
-        "step_overhead_s": _median_time(fetch),
-        "update_s_per_byte": _median_time(copy) / max(1, nbytes),
+        "step_overhead_s": _median_time(fetch, torch.device("cpu")),  # host work
+        "update_s_per_byte": _median_time(copy, device) / max(1, nbytes),
     }
 
 
-def _peak_bytes() -> int:
-    """This process's peak resident memory so far (what ``syncline train`` reports)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def _on(
+    device: torch.device, batch: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch moved to ``device``, as the trainers move theirs."""
+    return batch[0].to(device), batch[1].to(device)
+
+
+def _peak_bytes(device: torch.device) -> int:
+    """This rank's peak memory so far on ``device`` (what ``syncline train`` reports)."""
+    return peak_memory_bytes(device).bytes
+
+
+def _capacity(device: torch.device, ranks: int) -> int:
+    """The memory one rank may hold: its GPU's, or on the CPU the machine's share of the
+    ``ranks`` profiled on it (emulated nodes share this machine too)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, ranks)
 
 
 def _step_peaks(
@@ -226,10 +258,11 @@ def _step_peaks(
     dataset, _ = build_dataset(cfg)
     loss_fn = loss_for(cfg)
     params = [p for p in model.parameters() if p.requires_grad]
+    device = params[0].device
     opt = make_optimizer(cfg, params)
     out = []
     for b in sizes:
-        x, y = ShardedBatches(dataset, b * world, rank, world, cfg.seed).batch(1)
+        x, y = _on(device, ShardedBatches(dataset, b * world, rank, world, cfg.seed).batch(1))
         for _ in range(2):
             opt.zero_grad(set_to_none=True)
             loss_fn(model(x), y).backward()
@@ -241,7 +274,7 @@ def _step_peaks(
             for t in st.values()
             if isinstance(t, torch.Tensor)
         )
-        out.append((_peak_bytes(), state))
+        out.append((_peak_bytes(device), state))
     opt.zero_grad(set_to_none=True)
     return out
 
@@ -269,26 +302,31 @@ def main(argv: list[str] | None = None) -> int:
     cfg = TrainConfig.from_dict(json.loads(Path(args[0]).read_text()))
     emulated = args[2] == "1"
     torch.set_num_threads(cfg.threads)
-    rank, world = comm.init_from_env(backend="gloo", timeout_s=cfg.timeout_s)
+    # the device and backend a rank of ``syncline train`` with these options would get
+    backend, device = rank_backend_and_device(cfg, int(os.environ.get("LOCAL_RANK", "0")))
+    rank, world = comm.init_from_env(backend=backend, timeout_s=cfg.timeout_s)
     try:
         # The base is what a rank of ``syncline train`` holds before its model: the
         # framework, the process group, the data, and the trainer's own modules (they are
         # ~50 MB this profile would not otherwise load).
         importlib.import_module("syncline.train.worker")
         build_dataset(cfg)
-        base = _peak_bytes()
-        model = _layers(build_model_for(cfg))
+        base = _peak_bytes(device)
+        model = _layers(build_model_for(cfg)).to(device)
         local = max(1, cfg.batch_size // world)
         sizes = (max(1, local // 8), local) if local >= 2 else (1, 2)
         peaks = _step_peaks(cfg, model, sizes, rank, world)
         costs = _model_costs(cfg, model, sizes, rank, world)
         costs = _with_workspace(costs, sizes, peaks, base)
         other = _other_costs(cfg, model, rank, world)
+        # the probes' buffers where the backend communicates for this device (a GPU's memory
+        # under NCCL), so the links measured are the run's
         peer = 1 - rank if rank < 2 else None
-        p2p = time_ping_pong(P2P_SIZES, peer=peer) if peer is not None else []
-        allreduce = time_allreduce(ALLREDUCE_SIZES)
+        p2p = time_ping_pong(P2P_SIZES, peer=peer, device=device) if peer is not None else []
+        allreduce = time_allreduce(ALLREDUCE_SIZES, device=device)
         dataset, _ = build_dataset(cfg)
-        x, y = ShardedBatches(dataset, cfg.batch_size, rank, world, cfg.seed).batch(0)
+        batch = ShardedBatches(dataset, cfg.batch_size, rank, world, cfg.seed).batch(0)
+        x, y = _on(device, batch)
         loss_fn = loss_for(cfg)
 
         def train_step() -> None:
@@ -296,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             loss_fn(model(x), y).backward()
 
         grad_bytes = sum(p.numel() * 4 for p in model.parameters())
-        alone, shared, comm_s = overlap_slowdown(train_step, grad_bytes)
+        alone, shared, comm_s = overlap_slowdown(train_step, grad_bytes, device=device)
         solo = FlatAllreduce(own_group(cfg.timeout_s), timeout_s=cfg.timeout_s)
         compressors = _compressor_costs(model, solo)
         results = comm.gather_objects(
@@ -308,12 +346,18 @@ def main(argv: list[str] | None = None) -> int:
                 "base": base,
                 "overlap": (alone, shared, comm_s),
                 "compressors": compressors,
+                "memory": {
+                    "kind": peak_memory_bytes(device).kind,
+                    "peak_bytes": max(peak for peak, _ in peaks),
+                    "capacity": _capacity(device, world),
+                },
             },
             what="gather of profiles",
             timeout_s=cfg.timeout_s,
+            device=device,
         )
         if rank == 0 and results is not None:
-            _write(Path(args[1]), cfg, results, world, emulated)
+            _write(Path(args[1]), cfg, results, world, emulated, (device.type, backend))
         comm.barrier(timeout_s=cfg.timeout_s, what="end of profile")
     finally:
         comm.destroy()
@@ -326,7 +370,10 @@ def _write(
     results: list[dict[str, Any]],
     world: int,
     emulated: bool,
+    where: tuple[str, str],
 ) -> None:
+    """Rank 0: fit the cluster from every rank's ``results`` and write the profile to
+    ``out``; ``where``: the (device type, backend) the ranks were profiled on."""
     from syncline.planner.collectives import ring_allreduce_s
 
     first = results[0]
@@ -338,9 +385,12 @@ def _write(
     alone, shared, comm_s = (statistics.median(r["overlap"][i] for r in results) for i in range(3))
     overlapped = min(comm_s, shared)
     slowdown = max(shared - alone, 0.0) / overlapped if overlapped > 0 else 0.0
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // world
+    memory = min(r["memory"]["capacity"] for r in results)
+    links = f"emulated {cfg.emulate_network}" if emulated else "loopback"
+    device, backend = where
+    on = links if device == "cpu" else f"{device}, {backend}"
     cluster = Cluster(
-        name=f"this machine ({'emulated ' + str(cfg.emulate_network) if emulated else 'loopback'})",
+        name=f"this machine ({on})",
         ranks_per_node=1 if emulated else world,
         memory_per_rank=memory,
         intra=link,
@@ -364,6 +414,10 @@ def _write(
             "allreduce_sizes": list(ALLREDUCE_SIZES),
             "allreduce_s": first["allreduce"],
             "overlap": {"compute_alone_s": alone, "compute_shared_s": shared, "comm_s": comm_s},
+            "device": device,
+            "backend": backend,
+            "peak_memory_kind": first["memory"]["kind"],
+            "peak_memory_bytes_per_rank": [r["memory"]["peak_bytes"] for r in results],
         },
     }
     out.parent.mkdir(parents=True, exist_ok=True)

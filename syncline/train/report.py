@@ -2,7 +2,8 @@
 
 Six panels, one colour per run: the loss against the step and against wall time (training
 solid, validation as dots joined by a dashed line), samples/s and bytes on the wire per
-step against the step, the peak resident memory of each rank, and, for pipelines, the peak
+step against the step, the peak memory of each rank (on its device: the CUDA allocator's
+peak on GPUs, the resident set on the CPU; the legend says which), and, for pipelines, the peak
 stashed activations of each stage. A figure of :class:`~syncline.train.runs.Run` data only:
 what a run did not record (a data-parallel run has no stages) leaves its panel with a note.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from syncline.train.runs import Run
+from syncline.train.runs import Run, peak_memory
 
 __all__ = ["plot_report"]
 
@@ -108,9 +109,12 @@ def plot_report(runs: list[Run], path: Path, title: str = "syncline runs") -> Pa
     for ax in (rate, wire):  # rates compared from zero, not from the smallest
         ax.set_ylim(bottom=0)
     by_step.legend(fontsize=7)
-    rss_groups = [(r.label, list(r.summary.get("peak_rss_bytes_per_rank") or [])) for r in runs]
+    rss_groups = []
+    for r in runs:
+        peaks, kind = peak_memory(r.summary)
+        rss_groups.append((f"{r.label} ({kind})", [float(p) for p in peaks]))
     _bars(rss, rss_groups, "rank", "no summary.json: peak memory is recorded at the end")
-    rss.set_title("peak resident memory per rank")
+    rss.set_title("peak memory per rank")
     stage_groups = [
         (r.label, [m["peak_activation_bytes"] for _, m in sorted(_memory(r).items())]) for r in runs
     ]

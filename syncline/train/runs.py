@@ -15,7 +15,10 @@ from typing import Any
 
 from syncline.errors import ConfigError
 
-__all__ = ["Run", "comparison_table", "load_run"]
+__all__ = ["Run", "comparison_table", "load_run", "peak_memory"]
+
+#: how the table names a summary's ``peak_memory_kind``
+_KIND = {"cuda_max_allocated": "cuda", "rss": "rss"}
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,21 @@ class Run:
             compression = c.get("compression", "none")
             return f"dp x{world}" + ("" if compression == "none" else f" {compression}")
         return f"{c.get('schedule')} {stages}x{world // stages} m={c.get('microbatches')}"
+
+
+def peak_memory(summary: dict[str, Any]) -> tuple[list[int], str]:
+    """Each rank's peak memory in ``summary`` and what was measured: on the rank's device
+    (``peak_memory_bytes_per_rank``, ``peak_memory_kind``: ``cuda_max_allocated`` on GPUs,
+    ``rss`` on the CPU), or for runs written before GPUs were measured the resident set.
+
+    Example:
+        >>> peak_memory({"peak_rss_bytes_per_rank": [7, 9]})
+        ([7, 9], 'rss')
+    """
+    device = summary.get("peak_memory_bytes_per_rank")
+    if device:
+        return list(device), str(summary.get("peak_memory_kind", "rss"))
+    return list(summary.get("peak_rss_bytes_per_rank") or []), "rss"
 
 
 def _read_json(path: Path, what: str) -> Any:
@@ -117,7 +135,7 @@ def row(run: Run) -> dict[str, str]:
     wire = s.get("wire_bytes_per_step", _median(wires))
     val = [r["val_loss"] for r in records if r.get("val_loss") is not None]
     best = s.get("best_val_loss", min(val) if val else None)
-    rss = s.get("peak_rss_bytes_per_rank")
+    peaks, kind = peak_memory(s)
     c = run.config
     return {
         "run": run.label,
@@ -129,7 +147,7 @@ def row(run: Run) -> dict[str, str]:
         "samples/s": _number(samples, ".1f"),
         "tokens/s": _number(tokens, ".0f"),
         "wire/step": _bytes(wire),
-        "peak rss": _bytes(max(rss) if rss else None),
+        "peak memory": f"{_bytes(max(peaks))} {_KIND.get(kind, kind)}" if peaks else "-",
         "time": _number(records[-1].get("elapsed_s"), ".1f") + "s",
     }
 

@@ -130,13 +130,15 @@ def _local_entries(rank: int, compression: dict[str, Any]) -> dict[str, torch.Te
     return out
 
 
-def _local_state(got: dict[str, torch.Tensor], rank: int) -> dict[str, Any]:
-    local: dict[str, Any] = join_tensors(
-        unpack_object(got[f"rank{rank}/skeleton"], f"rank {rank} state"),
-        _numbered(got, f"rank{rank}/"),
-    )
-    _set_rng_state(local["rng"])
-    return local
+def _local_state(got: dict[str, torch.Tensor], rank: int, device: torch.device) -> dict[str, Any]:
+    """This rank's RNG states (set now; they stay CPU tensors, as torch takes them) and its
+    compressor state, returned with its tensors on ``device`` (a checkpoint is read into
+    CPU tensors; CUDA gradients must meet residuals on their own device)."""
+    skeleton = unpack_object(got[f"rank{rank}/skeleton"], f"rank {rank} state")
+    tensors = _numbered(got, f"rank{rank}/")
+    _set_rng_state(join_tensors(skeleton["rng"], tensors))
+    compression = join_tensors(skeleton["compression"], [t.to(device) for t in tensors])
+    return {"compression": compression}
 
 
 def capture_dp(
@@ -191,7 +193,7 @@ def restore_dp(
     model.load_state_dict({k[len("model/") :]: got[k].to(device) for k in model_keys})
     _load_optimizer(opt, names, got)
     if exact:
-        dp.load_compression_state_dict(_local_state(got, rank)["compression"])
+        dp.load_compression_state_dict(_local_state(got, rank, device)["compression"])
     if scaler is not None and "loss_scale" in meta:
         scaler.load_state_dict(meta["loss_scale"])
     return int(meta["step"]), exact
@@ -215,6 +217,11 @@ def _numbered(got: dict[str, torch.Tensor], prefix: str) -> list[torch.Tensor]:
 def _stage_entries(pipe: Pipeline) -> dict[str, torch.Tensor]:
     """Full-model name -> tensor (parameters as themselves) of this rank's stages' state."""
     return pipe.local_state_dict(keep_vars=True)
+
+
+def _device_of(entries: dict[str, torch.Tensor]) -> torch.device:
+    """The device of this rank's stages (the CPU for a rank without tensors)."""
+    return next((t.device for t in entries.values()), torch.device("cpu"))
 
 
 def _stage_names(entries: dict[str, torch.Tensor]) -> dict[int, str]:
@@ -282,7 +289,7 @@ def restore_pipeline(
     for opt in pipe.optimizers:
         _load_optimizer(opt, _names_in(opt, named), got)
     if exact:
-        local = _local_state(got, rank)
+        local = _local_state(got, rank, _device_of(entries))
         if pipe.data_parallel_size > 1:
             pipe.compression.load_state_dict(local["compression"])
     if pipe.loss_scaler is not None and "loss_scale" in meta:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from torch import nn
 
 from syncline import comm
 from syncline.comm.collectives import Collective
+from syncline.comm.device import Stopwatch
 from syncline.data import ShardedBatches
 from syncline.dp.compressors import build_compressor
 from syncline.dp.engine import DataParallel
@@ -33,10 +33,11 @@ from syncline.train.common import (
     loss_for,
     lr_at,
     make_optimizer,
+    rank_memory,
     set_lr,
 )
 from syncline.train.config import TrainConfig
-from syncline.train.metrics import MetricsLog, plot_loss, summarize, timed_record
+from syncline.train.metrics import MetricsLog, memory_summary, plot_loss, summarize, timed_record
 from syncline.train.progress import Progress, human_bytes
 from syncline.train.sample import Sample, record_sample, sample_for
 from syncline.train.snapshots import SnapshotStore
@@ -93,11 +94,12 @@ def train(
     log = MetricsLog(run_dir / "metrics.jsonl", resume_at=start) if rank == 0 else None
     progress = Progress(cfg.steps) if rank == 0 else None
     board = TensorBoardLog.open(run_dir, pipelined=False) if rank == 0 and cfg.tensorboard else None
-    t_start = time.perf_counter()
+    t_start = time.perf_counter()  # wall clock: the elapsed time and the ETA
+    watch = Stopwatch(device)  # the step's time on its device (read at logged steps only)
     for step in range(start, cfg.steps):
         fail_if_injected(cfg, rank, step, attempt)
         armed = arm_failure(cfg, rank, step, attempt, model)
-        t0 = time.perf_counter()
+        watch.start()
         lr = lr_at(cfg, step)
         set_lr([opt], lr)
         x, y = batches.batch(step)
@@ -108,13 +110,15 @@ def train(
         with autocast(cfg.precision, device):
             loss = loss_fn(dp(x), y)
         (loss if scaler is None else scaler.scale(loss)).backward()
+        # the engine's overflow flag stays on the device: the verdict is the step's one read
+        flagged = dp.overflow_flag_in_reduce() if in_reduce else False
         if scaler is None or scaler.unscale_or_skip(
-            params, step, unscaled=in_reduce, overflowed=in_reduce and dp.overflowed_in_reduce()
+            params, step, unscaled=in_reduce, overflowed=flagged
         ):
             opt.step()
         for handle in armed:
             handle.remove()
-        t_end = time.perf_counter()
+        watch.stop()
         validated: dict[str, float] = {}
         if validation.due(step):  # every rank: the loss is averaged over them
             validated = validation.metrics(validation.dp_loss(model, loss_fn, device))
@@ -131,12 +135,11 @@ def train(
                 lr,
                 samples=cfg.batch_size,
                 tokens_per_sample=tokens_per_sample,
-                started=t0,
+                step_s=watch.elapsed_s(),
                 run_started=t_start,
                 wire_bytes=stats.wire_bytes,
                 collectives=stats.collectives,
                 exposed_comm_s=stats.exposed_comm_s,
-                ended=t_end,
                 val_loss=validated.get("val_loss"),
                 val_ppl=validated.get("val_ppl"),
             )
@@ -169,11 +172,11 @@ def train(
                     f"checkpoint of step {done}: {human_bytes(size)} in "
                     f"{time.perf_counter() - t_save:.2f}s -> {path}"
                 )
-    # peak resident memory of each rank over the run, before rank 0 writes the checkpoint
-    # (Linux reports KiB); the planner's memory prediction is checked against it
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # peak memory of each rank over the run (on its device, and resident), before rank 0
+    # writes the checkpoint; the planner's memory prediction is checked against it
+    mine = rank_memory(device)
     peaks = comm.gather_objects(
-        rss, what="gather of peak memory", timeout_s=cfg.timeout_s, device=device
+        mine, what="gather of peak memory", timeout_s=cfg.timeout_s, device=device
     )
     if log is None or progress is None:
         return {}
@@ -182,7 +185,7 @@ def train(
         sample = sample_for(
             cfg, model, dataset if held_out is None else held_out, tokens_per_sample, device
         )
-    return _finish(cfg, model, opt, dp, log, world, peaks or [rss], scaler, board, sample)
+    return _finish(cfg, model, opt, dp, log, world, peaks or [mine], scaler, board, sample)
 
 
 def _finish(
@@ -192,7 +195,7 @@ def _finish(
     dp: DataParallel,
     log: MetricsLog,
     world: int,
-    peaks: list[int],
+    peaks: list[dict[str, Any]],
     scaler: LossScaler | None = None,
     board: TensorBoardLog | None = None,
     sample: Sample | None = None,
@@ -214,7 +217,7 @@ def _finish(
         bucket_tuning=dp.bucket_tuning,
         compression=cfg.compression,
         allreduce=cfg.allreduce,
-        peak_rss_bytes_per_rank=peaks,
+        **memory_summary(peaks),
     )
     wire = summary.get("wire_bytes_per_step") or 0
     summary["compression_ratio"] = summary["gradient_bytes"] / wire if wire else None

@@ -16,6 +16,7 @@ from syncline import comm
 from syncline.comm.registry import build_allreduce
 from syncline.comm.topology import Topology
 from syncline.registry import import_plugins
+from syncline.train.common import rank_backend_and_device
 from syncline.train.config import TrainConfig
 from syncline.train.pipeline_trainer import train_pipeline
 from syncline.train.trainer import train
@@ -32,15 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     import_plugins(values.get("plugins", ()))  # before the config names their entries
     cfg = TrainConfig.from_dict(values)
     torch.set_num_threads(cfg.threads)
-    backend = cfg.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if backend == "nccl":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    backend, device = rank_backend_and_device(cfg, int(os.environ.get("LOCAL_RANK", "0")))
     rank, world = comm.init_from_env(backend=backend, timeout_s=cfg.timeout_s)
     try:
         allreduce: str | comm.Collective = "flat"

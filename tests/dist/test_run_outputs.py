@@ -79,10 +79,21 @@ def test_a_language_model_prints_and_saves_its_sample(runs) -> None:
         assert "sample.txt, tensorboard/)" in stdout
 
 
+def test_summaries_record_each_ranks_peak_memory_on_its_device(runs) -> None:
+    """Issue 33: the device's meter (the resident set on the CPU, the CUDA allocator's peak
+    on GPUs) beside the resident set that earlier summaries recorded."""
+    for run, _ in runs.values():
+        summary = json.loads((run / "summary.json").read_text())
+        peaks = summary["peak_memory_bytes_per_rank"]
+        assert summary["peak_memory_kind"] == "rss" and len(peaks) == 2
+        assert peaks == summary["peak_rss_bytes_per_rank"] and min(peaks) > 50 << 20
+
+
 def test_report_compares_the_two_runs_in_one_png(runs, tmp_path: Path, capsys) -> None:
     out = tmp_path / "compare.png"
     assert main(["report", str(runs["dp"][0]), str(runs["pp"][0]), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = capsys.readouterr().out.splitlines()
     assert "dp x2" in table[2] and "1f1b 2x1 m=4" in table[3]
+    assert "peak memory" in table[0] and table[2].split()[-2] == "rss"
     assert table[-1] == f"figure: {out}"

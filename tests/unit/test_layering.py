@@ -26,6 +26,7 @@ PURE = [
     "syncline.comm.topology",
     "syncline.schedule",
     "syncline.launch.netns",
+    "syncline.launch.devices",
     "syncline.partition",
     "syncline.planner",
 ]

@@ -147,3 +147,76 @@ def test_a_model_split_at_named_modules_gets_the_same_weights_at_any_split() -> 
         torch.testing.assert_close(traced.forward({"input_ids": ids}), ref(input_ids=ids).logits)
     with pytest.raises(ConfigError, match=r"left .* unset"):
         materialize_modules(meta_model(), init=lambda _, m: None)
+
+
+def _no_cuda_rng(monkeypatch) -> None:
+    """Make every CUDA generator call fail: initialisation must draw on the CPU only."""
+
+    def refuse(*_: object, **__: object) -> None:
+        raise AssertionError("the initialisation touched a CUDA generator")
+
+    for name in ("manual_seed", "manual_seed_all", "get_rng_state", "set_rng_state", "seed"):
+        monkeypatch.setattr(torch.cuda, name, refuse)
+
+
+def test_initialisers_draw_on_the_cpu_whatever_the_device(monkeypatch) -> None:
+    """Issue 33: a stage materialised on another device (``meta`` stands in for CUDA, whose
+    generator draws other numbers than the CPU's from the same seed) is initialised on the
+    CPU from the CPU generator and only then copied there, so its values are those of the
+    one-process CPU model; no CUDA generator is seeded or read."""
+    _no_cuda_rng(monkeypatch)
+    drawn: dict[str, torch.Tensor] = {}
+    rule = gpt_layer_init(CFG)
+
+    def init(index: int, layer: nn.Module) -> None:
+        rule(index, layer)
+        for name, t in layer.state_dict().items():
+            assert t.device.type == "cpu", (index, name, t.device)
+            drawn[f"{index}.{name}"] = t.clone()
+
+    model = _meta_gpt()
+    materialize_layers(list(enumerate(model))[2:], device=torch.device("meta"), seed=7, init=init)
+    assert all(t.is_meta for t in model.parameters())  # copied to its device; stage 0 untouched
+    want = materialize(_meta_gpt(), seed=7, init=gpt_layer_init(CFG)).state_dict()
+    assert set(drawn) == {k for k in want if int(k.split(".")[0]) >= 2}
+    for key, value in drawn.items():
+        assert torch.equal(value, want[key]), key
+
+
+def test_weights_tied_across_layers_stay_tied_and_follow_the_eager_model() -> None:
+    cfg = GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, tie_weights=True)
+    with torch.device("meta"):
+        meta = build_gpt(cfg)
+    model = materialize(meta, seed=3, init=gpt_layer_init(cfg))
+    assert model[-1].lm_head.weight is model[0].wte.weight
+    assert not torch.isnan(model[0].wte.weight).any()
+    with torch.device("meta"):
+        meta = build_gpt(cfg)
+    materialize_layers(
+        list(enumerate(meta)), device=torch.device("meta"), seed=3, init=gpt_layer_init(cfg)
+    )
+    assert meta[-1].lm_head.weight is meta[0].wte.weight  # also on another device
+
+
+def test_modules_split_by_name_draw_on_the_cpu_whatever_the_device(monkeypatch) -> None:
+    """As above, for models materialised module by module (split at named modules)."""
+    from syncline.models.meta_modules import materialize_modules
+
+    _no_cuda_rng(monkeypatch)
+    drawn: dict[str, torch.Tensor] = {}
+
+    def init(name: str, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            assert module.weight.device.type == "cpu", name
+            module.reset_parameters()
+            drawn[name] = module.weight.clone()
+
+    def meta_model() -> nn.Module:
+        with torch.device("meta"):
+            return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+    elsewhere = materialize_modules(meta_model(), device="meta", seed=2, init=init)
+    assert all(t.is_meta for t in elsewhere.parameters()) and set(drawn) == {"0", "2"}
+    there = dict(drawn)
+    on_cpu = materialize_modules(meta_model(), device="cpu", seed=2, init=init)
+    assert torch.equal(on_cpu[0].weight, there["0"]) and torch.equal(on_cpu[2].weight, there["2"])

@@ -12,10 +12,10 @@ Per bucket and step, on every rank (``g`` = local gradient, ``m`` = momentum)::
     s_j = ||v_j||_1 for each chunk j of C elems    score (a short last chunk scaled to C)
     S, B = allreduce_sum(s, max|v| / p)            collective 1: N/C + 1 fp32 values
     J = top k of S                                 same on every rank (ties: lowest index)
-    w = wire dtype if B fits in it, else fp32      same on every rank (B bounds every sum)
-    x = (v[J] / p).to(w)
-    grad = 0 ; grad[J] = allreduce_sum(x)          collective 2: packed chunks
-    u[J] = 0 ; v[J] = v[J] - p * x                 masking; the rest (and what rounding to
+    a = 1, or 2**e if B exceeds the wire's range   same on every rank (B bounds every sum)
+    x = (v[J] / (p*a)).to(w)                       k chunks of C elements (a short one padded)
+    grad = 0 ; grad[J] = a * allreduce_sum(x)      collective 2: packed chunks
+    u[J] = 0 ; v[J] = v[J] - p*a * x               masking; the rest (and what rounding to
                                                    w lost) is error feedback
 
 **The density holds over the whole gradient.** Each bucket owns ``density * N/C`` chunks a
@@ -25,9 +25,17 @@ every 12.5 steps (not one every step, 12.5 %), and the gradient's chunks sent pe
 as backward makes it ready. A bucket whose turn has not come sends nothing (all of ``v``
 stays). **Nothing overflows or is lost to the wire format**: ``B``, the sum over ranks of
 ``max |v| / p``, bounds every value sent and every sum of them, so when it exceeds the wire
-dtype's range (fp16: 65504) the bucket travels in fp32 on every rank alike; rounding to fp16
-(values below ~6e-8 become 0) is subtracted from ``v`` only as far as it was sent, so the
-remainder stays in the residual.
+dtype's range (fp16: 65504) the bucket is scaled down by the power of two ``a`` that brings
+``B`` under half the range, on every rank alike, and scaled back on arrival (``a`` is 1, and
+changes no bit, otherwise); rounding to fp16 (values below ~6e-8 become 0, or ``6e-8 * a``)
+is subtracted from ``v`` only as far as it was sent, so the remainder stays in the residual.
+
+**No host sync.** Everything after the budget ``k`` (an integer of the step and the shapes)
+happens on the gradient's device: the selection is exactly ``k`` chunks
+(:func:`~.chunks.select_chunks`), the payload exactly ``k * C`` elements (a selected short
+last chunk is padded with zeros), and ``a`` a device scalar, so no value is read on the host
+to size, place or type what goes on the wire. (Until this was so, a bucket past fp16's range
+travelled in fp32, which needed the bound on the host; the scaling replaced it.)
 
 Collective 2 depends on collective 1's result; :class:`~._pending.PhaseOrder` issues it in a
 rank-independent order that keeps overlapping backward (see there). During the dense warm-up
@@ -44,10 +52,10 @@ sparsity rises exponentially over the first epochs): at step ``t < W`` the densi
 dense regime gradually rather than in one jump, so a shorter warm-up reaches the loss a
 longer dense one does (``tests/dist/test_convergence.py`` holds it to its floor).
 
-Bytes on the wire per rank and bucket of ``n`` elements, ``N = ceil(n/C)`` chunks, wire
-element size ``w`` (2 for fp16; 4 for a bucket past fp16's range)::
+Bytes on the wire per rank and bucket of ``n`` elements, ``N = ceil(n/C)`` chunks, ``k``
+of them due, wire element size ``w`` (2 for fp16 and bf16, 4 for fp32)::
 
-    sparse:  4*(N + 1)  +  w * (elements in the selected chunks)   (<= 4*(N+1) + w*k*C)
+    sparse:  4*(N + 1)  +  w * k * C
     dense:   4 + w * n   (fp32 wire: 4 * n, one collective)
     not due: 0
 """
@@ -69,6 +77,7 @@ from syncline.dp.compressors._state import (
     check_range,
     load_buckets,
     save_buckets,
+    to_device,
 )
 from syncline.errors import ConfigError
 
@@ -161,8 +170,9 @@ class CSC:
         if state is None:
             state = {"u": torch.zeros_like(grad), "v": torch.zeros_like(grad)}
             self._buckets[index] = state
+        check_numel("CSC", index, state["u"], grad.numel())
+        to_device(state, grad.device, host=("credit",))  # restored state: still on the CPU
         u, v = state["u"], state["v"]
-        check_numel("CSC", index, u, grad.numel())
         u.mul_(self.momentum).add_(grad)  # as torch.optim.SGD's buffer, to the last bit
         v.add_(u)
         return u, v
@@ -173,7 +183,10 @@ class CSC:
         bucket, and the whole gradient, sends ``density`` of its chunks on average (within
         one chunk per bucket at any time), a small bucket one chunk every few steps rather
         than one chunk every step. The same integers on every rank: no communication."""
-        credit = self._buckets[index].setdefault("credit", torch.zeros((), dtype=torch.float64))
+        # a host counter (read on the host every step, so never moved to the device)
+        credit = self._buckets[index].setdefault(
+            "credit", torch.zeros((), dtype=torch.float64, device="cpu")
+        )
         density = self.density_at(step)
         if density >= 1.0:
             credit.zero_()
@@ -189,53 +202,81 @@ class CSC:
         k = self._budget(bucket.index, bucket.step, n_chunks)
         where = f"bucket {bucket.index} at step {bucket.step}"
         if k == 0:  # its turn has not come: everything stays in the residual
-            self.last_selection[bucket.index] = torch.empty(0, dtype=torch.int64)
+            self.last_selection[bucket.index] = torch.empty(
+                0, dtype=torch.int64, device=grad.device
+            )
             grad.zero_()
             self._order.single()
             return completed(f"csc (nothing due) {where}")
-        chunk = self.chunk_elems
-        world = comm.world_size
         dense = k == n_chunks
         if dense and self.wire_dtype == torch.float32:  # nothing to round, nothing to bound
             return self._dense_fp32(bucket.index, grad, v, n_chunks, comm, f"csc dense {where}")
-        if dense:  # a bound of |v| / p is all phase one carries
-            first_part = torch.zeros(0)
-            selected = torch.arange(n_chunks)
-        else:
-            first_part = ch.chunk_scores(v, chunk, normalise=True)
-        # max |v| without a |v| copy of the bucket (no allocation)
-        low, high = torch.aminmax(v.detach())  # one pass over the bucket
+        world = comm.world_size
+        # max |v| without a |v| copy of the bucket (no allocation); one pass over the bucket
+        low, high = torch.aminmax(v.detach())
         bound = torch.maximum(high, -low).reshape(1).float() / world
-        head = torch.cat([first_part, bound])
+        # dense: the bound is all phase one carries; sparse: the chunk scores, then the bound
+        head = (
+            bound
+            if dense
+            else torch.cat([ch.chunk_scores(v, self.chunk_elems, normalise=True), bound])
+        )
         first = comm.allreduce(head, f"csc {'bound' if dense else 'scores'} of {where}")
-        payload = torch.empty(0)
+        sent: list[torch.Tensor] = []  # [selected, payload, up]: set by phase two
 
         def launch_payload(lane: Collective) -> Pending:
-            nonlocal selected, payload
-            if not dense:
-                selected = ch.select_chunks(head[:-1], k)
+            selected = (
+                torch.arange(n_chunks, device=grad.device)
+                if dense
+                else ch.select_chunks(head[:-1], k)
+            )
             self.last_selection[bucket.index] = selected
-            packed = v.div(world) if dense else ch.pack_chunks(v, selected, chunk).div_(world)
-            # the summed bound >= any |sum of v / p|: past the wire dtype's range, the bucket
-            # travels in fp32 on every rank alike (each rank sees the same summed bound)
-            wire = self.wire_dtype if float(head[-1]) <= _RANGE[self.wire_dtype] else torch.float32
-            payload = packed.to(wire, copy=True)
-            # what rounding to the wire dtype lost stays in the residual (error feedback)
-            lost = packed.sub_(payload.float()).mul_(world)
-            if dense:
-                v.copy_(lost)  # u is kept: a dense step is momentum SGD exactly
-            else:
-                ch.zero_chunks(u, selected, chunk)  # momentum factor masking
-                ch.put_chunks(v, selected, chunk, lost)
+            payload, up = self._to_wire(u, v, selected, head[-1:], world, dense)
+            sent.extend((selected, payload, up))
             return lane.allreduce(payload, f"csc {'dense ' if dense else ''}payload of {where}")
 
         def finish() -> None:
+            selected, payload, up = sent
             if dense:
-                grad.copy_(payload)
+                torch.mul(payload, up, out=grad)
             else:
-                ch.unpack_chunks(payload, selected, chunk, grad)
+                ch.unpack_chunks(payload * up, selected, self.chunk_elems, grad)
 
         return self._order.submit(first, launch_payload, finish, f"csc reduction of {where}", comm)
+
+    def _to_wire(
+        self,
+        u: torch.Tensor,
+        v: torch.Tensor,
+        selected: torch.Tensor,
+        bound: torch.Tensor,
+        world: int,
+        dense: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The payload in the wire dtype, and the factor ``up`` that undoes its scaling; the
+        momentum masking and the error feedback of what was sent (all on the device).
+
+        ``bound`` (summed over ranks) bounds every value sent and every sum of them. Past the
+        wire dtype's range, the payload is scaled down by a power of two ``1/up`` that brings
+        the bound under half the range, the same on every rank (the bound is); otherwise
+        ``up`` is exactly 1 and the arithmetic is that of an unscaled payload, bit for bit.
+        """
+        limit = _RANGE[self.wire_dtype]
+        _, exponent = torch.frexp(bound / (limit / 2))  # bound <= 2**exponent * limit / 2
+        up = torch.where(bound <= limit, 1.0, torch.ldexp(torch.ones_like(bound), exponent))
+        up = up.to(v.dtype)
+        divisor = up * world  # world exactly when up is 1
+        chunk = self.chunk_elems
+        packed = v.div(divisor) if dense else ch.pack_chunks(v, selected, chunk).div_(divisor)
+        payload = packed.to(self.wire_dtype, copy=True)
+        # what rounding to the wire dtype lost stays in the residual (error feedback)
+        lost = packed.sub_(payload.float()).mul_(divisor)
+        if dense:
+            v.copy_(lost)  # u is kept: a dense step is momentum SGD exactly
+        else:
+            ch.zero_chunks(u, selected, chunk)  # momentum factor masking
+            ch.put_chunks(v, selected, chunk, lost)
+        return payload, up
 
     def poll(self) -> None:
         """Issue the payloads whose scores are in (on the collective's lane; never blocks)."""
@@ -248,7 +289,7 @@ class CSC:
         """Send all of ``v`` in fp32 in one collective; keep ``u`` (momentum SGD exactly)."""
         payload = v.div(comm.world_size) if comm.world_size > 1 else v.clone()
         v.zero_()
-        self.last_selection[index] = torch.arange(n_chunks)
+        self.last_selection[index] = torch.arange(n_chunks, device=grad.device)
         sent = comm.allreduce(payload, what)
         self._order.single()
 

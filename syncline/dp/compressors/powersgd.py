@@ -50,6 +50,7 @@ from syncline.dp.compressors._state import (
     check_range,
     load_buckets,
     save_buckets,
+    to_device,
 )
 from syncline.errors import ConfigError
 
@@ -217,11 +218,15 @@ class PowerSGD:
     def _state(self, index: int, grad: torch.Tensor, plan: MatrixPlan) -> dict[str, torch.Tensor]:
         state = self._buckets.get(index)
         if state is None:
-            gen = torch.Generator().manual_seed(self.seed + index)
-            q = torch.randn(plan.q_numel, generator=gen, dtype=grad.dtype).to(grad.device)
+            # drawn on the CPU, whatever the device: the same Q on every rank and device
+            # (a one-off copy at the bucket's first compressed step, not in the steady state)
+            gen = torch.Generator(device="cpu").manual_seed(self.seed + index)
+            q = torch.randn(plan.q_numel, generator=gen, dtype=grad.dtype, device="cpu")
+            q = q.to(grad.device)
             state = {"residual": torch.zeros_like(grad), "q": q}
             self._buckets[index] = state
         check_numel("PowerSGD", index, state["residual"], grad.numel())
+        to_device(state, grad.device)  # restored state: still on the CPU
         if state["q"].numel() != plan.q_numel:
             raise ConfigError(
                 f"PowerSGD: bucket {index} needs {plan.q_numel} warm-start Q elements but its "
@@ -299,6 +304,7 @@ class PowerSGD:
         state = self._buckets.get(index)
         if state is not None:  # a compressed step came before: send what it kept back
             check_numel("PowerSGD", index, state["residual"], grad.numel())
+            to_device(state, grad.device)
             grad.add_(state["residual"])
             state["residual"].zero_()
         if comm.world_size > 1:

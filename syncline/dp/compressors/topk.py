@@ -16,6 +16,8 @@ Per bucket and step::
 
 Bytes on the wire per rank and bucket: ``k * (4 + i)``, with ``i = 4`` (int32 indices) for
 buckets below 2**31 elements and 8 otherwise. Each rank *receives* ``(p-1)`` times that.
+``k`` comes from the ratio and the bucket's size alone, so on a GPU the step has no host
+sync: selection, packing and the scatter-add of what arrives all stay on the device.
 """
 
 from __future__ import annotations
@@ -28,7 +30,13 @@ import torch
 from syncline.comm.collectives import Collective, Pending
 from syncline.dp.compression import BucketRef
 from syncline.dp.compressors._pending import chain
-from syncline.dp.compressors._state import check_numel, check_range, load_buckets, save_buckets
+from syncline.dp.compressors._state import (
+    check_numel,
+    check_range,
+    load_buckets,
+    save_buckets,
+    to_device,
+)
 
 _INT32_LIMIT = 2**31 - 1
 
@@ -42,24 +50,28 @@ _SAMPLE_STRIDE = 64
 
 
 def top_indices(mag: torch.Tensor, k: int, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Indices of the ``k`` largest entries of ``mag`` (``>= 0``), in no particular order.
+    """Indices of the ``k`` largest entries of ``mag`` (``>= 0``), in no particular order:
+    always exactly ``k`` of them (``k`` comes from shapes, so nothing is sized by values).
 
-    The same set as ``torch.topk(mag, k).indices`` (up to which of equal values at the
-    boundary is kept), but several times faster on CPU for ``k`` around 1 % of a large bucket:
-    a threshold ``t`` is read off a strided sample (every 64th entry, with a 2x margin), one
-    pass keeps the candidates ``mag >= t``, and the exact top-k is taken among them. It is
-    exact because every entry left out is ``< t <=`` every candidate; when fewer than ``k``
-    entries pass (an unlucky sample), the full ``topk`` runs instead. ``mask``, a bool
+    Off the CPU this is ``torch.topk`` (on a GPU a radix select, no host sync). On the CPU
+    it returns the same set (up to which of equal values at the boundary is kept) several
+    times faster for ``k`` around 1 % of a large bucket: a threshold ``t`` is read off a
+    strided sample (every 64th entry, with a 2x margin), one pass keeps the candidates
+    ``mag >= t``, and the exact top-k is taken among them. It is exact because every entry
+    left out is ``< t <=`` every candidate; when fewer than ``k`` entries pass (an unlucky
+    sample), the full ``topk`` runs instead. That path counts its candidates with
+    ``nonzero``, which on a device would stall the host until the count is known, and on
+    the CPU reads memory the host holds anyway (no device to wait for). ``mask``, a bool
     tensor of ``mag``'s shape, takes the candidates' mask instead of a fresh allocation.
     """
     n = mag.numel()
-    if n < 64 * _SAMPLE_STRIDE or 4 * k > n:
+    if mag.device.type != "cpu" or n < 64 * _SAMPLE_STRIDE or 4 * k > n:
         return torch.topk(mag, k, sorted=False).indices
     sample = mag[::_SAMPLE_STRIDE]
     want = min(sample.numel(), 2 * (k // _SAMPLE_STRIDE) + 1)
     threshold = torch.topk(sample, want, sorted=False).values.min()
     passed = mag >= threshold if mask is None else torch.ge(mag, threshold, out=mask)
-    candidates = torch.nonzero(passed).squeeze(1)
+    candidates = torch.nonzero(passed).squeeze(1)  # CPU only (see above)
     if candidates.numel() < k:
         return torch.topk(mag, k, sorted=False).indices
     return candidates[torch.topk(mag[candidates], k, sorted=False).indices]
@@ -96,6 +108,7 @@ class TopK:
     def _residual(self, index: int, grad: torch.Tensor) -> torch.Tensor:
         state = self._buckets.setdefault(index, {"residual": torch.zeros_like(grad)})
         check_numel("TopK", index, state["residual"], grad.numel())
+        to_device(state, grad.device)  # restored state: still on the CPU
         return state["residual"]
 
     def reduce(self, bucket: BucketRef, grad: torch.Tensor, comm: Collective) -> Pending:
@@ -105,8 +118,8 @@ class TopK:
         index_dtype = torch.int32 if grad.numel() <= _INT32_LIMIT else torch.int64
         mag, mask = self._scratch_for(acc)
         indices = top_indices(torch.abs(acc, out=mag), k, mask)
-        values = acc[indices]
-        acc[indices] = 0.0  # what was not sent stays in the residual
+        values = acc.index_select(0, indices)
+        acc.index_fill_(0, indices, 0.0)  # what was not sent stays in the residual
         where = f"bucket {bucket.index} at step {bucket.step}"
         # values and indices in one message (one allgather, not two: one latency per bucket):
         # the indices' bytes travel as they are, reinterpreted as the values' dtype and back
