@@ -7,8 +7,8 @@ machinery and from the C++ handler's lines on stderr (warnings raised in autogra
 threads go there), with the source line that raised each.
 
 The budget per step: 0 for DataParallel in fp32 (nothing to read on the host); 1 for
-DataParallel in fp16 (the overflow verdict decides on the host whether to step); for a
-pipeline, 1 when ``train_step`` returns a Python float (reading the loss), else 0. The
+DataParallel in fp16 (the overflow verdict decides on the host whether to step); 0 for a
+pipeline, whose ``train_step(..., return_tensor=True)`` keeps the loss on the device. The
 check's own loop reads nothing (the loss stays on the device).
 
 Not available on the CPU (there is no device to wait for): the record says so.
@@ -122,7 +122,7 @@ def _pipeline_case(dev: torch.device, schedule: str) -> Case:
 
     def step(i: int) -> Any:
         del i
-        return pipe.train_step(batches)
+        return pipe.train_step(batches, return_tensor=True)
 
     return Case(step)
 
@@ -132,8 +132,8 @@ def _pipeline_case(dev: torch.device, schedule: str) -> Case:
 CASES: dict[str, tuple[Callable[[torch.device], Case], int | None]] = {
     "dataparallel-fp32": (lambda dev: _dp_case(dev, "fp32"), 0),
     "dataparallel-fp16": (lambda dev: _dp_case(dev, "fp16"), 1),
-    "pipeline-1f1b": (lambda dev: _pipeline_case(dev, "1f1b"), None),
-    "pipeline-2bw": (lambda dev: _pipeline_case(dev, "2bw"), None),
+    "pipeline-1f1b": (lambda dev: _pipeline_case(dev, "1f1b"), 0),
+    "pipeline-2bw": (lambda dev: _pipeline_case(dev, "2bw"), 0),
 }
 
 

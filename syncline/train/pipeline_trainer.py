@@ -198,7 +198,7 @@ def train_pipeline(
         lr = lr_at(cfg, step)
         if step:  # the first step builds the optimizers (with this lr) when it profiles
             set_lr(pipe.optimizers, lr)
-        loss = pipe.train_step(batches)
+        step_loss = pipe.train_step(batches, return_tensor=True)  # read only when logged
         for handle in armed:
             handle.remove()
         watch.stop()
@@ -209,6 +209,7 @@ def train_pipeline(
         if logged:  # every rank: the job's bytes on the wire go into the record
             measured = wire.per_step(step, final=step == cfg.steps - 1)
         if log is not None and progress is not None and logged:
+            loss = float(step_loss)
             record = timed_record(
                 step,
                 loss,
