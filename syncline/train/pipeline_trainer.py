@@ -56,7 +56,13 @@ from syncline.train.plots import plot_schedule
 from syncline.train.progress import Progress, human_bytes
 from syncline.train.sample import Sample, record_sample, sample_for
 from syncline.train.snapshots import SnapshotStore
-from syncline.train.state import capture_pipeline, read_meta, restore_pipeline, stage_split
+from syncline.train.state import (
+    capture_pipeline,
+    check_pipeline_optimizers,
+    read_meta,
+    restore_pipeline,
+    stage_split,
+)
 from syncline.train.tensorboard_log import TensorBoardLog
 from syncline.train.validation import Validation
 
@@ -354,6 +360,7 @@ def _rank_results(
     ordinal in rank 0's process (another rank's GPU, or none it can see)."""
     # peak memory of this rank so far, before anything is copied for rank 0
     memory = rank_memory(device)
+    check_pipeline_optimizers(pipe)  # refused by name, not saved unreadable by rank 0
     events = [e for evs in pipe.trace(origin=0.0).events.values() for e in evs]
     optimizers = zip(pipe.stages, pipe.optimizers, strict=True) if weights else ()
     state = pipe.local_state_dict() if weights else {}

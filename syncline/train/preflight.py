@@ -17,8 +17,9 @@ __all__ = ["preflight"]
 
 
 def preflight(cfg: TrainConfig) -> None:
-    """Check the data set (:func:`~syncline.data.registry.check_data`) and a factory's model
-    (:func:`~syncline.models.user.check_user_model`, built on the meta device).
+    """Check the data set (:func:`~syncline.data.registry.check_data`), a factory's model
+    (:func:`~syncline.models.user.check_user_model`, built on the meta device) and that the
+    optimizer's state checkpoints exactly (:func:`~syncline.train.optim_state.dry_check`).
 
     Raises:
         ConfigError: naming the value and what is valid.
@@ -41,3 +42,18 @@ def preflight(cfg: TrainConfig) -> None:
         from syncline.models.user import check_user_model
 
         check_user_model(call, cfg.split_points)
+    _check_optimizer(cfg)
+
+
+def _check_optimizer(cfg: TrainConfig) -> None:
+    """The optimizer's state must checkpoint exactly (every run writes ``checkpoint.pt``):
+    one step on stand-in parameters shows its types before any process starts, not at the
+    first checkpoint after hours of training."""
+    from syncline.errors import CheckpointError
+    from syncline.train.common import make_optimizer
+    from syncline.train.optim_state import dry_check
+
+    try:
+        dry_check(lambda params: make_optimizer(cfg, params))
+    except CheckpointError as exc:
+        raise ConfigError(f"optimizer={cfg.optimizer!r}: {exc}") from None

@@ -8,9 +8,10 @@ compressor's state (CSC/TopK residuals and momentum, PowerSGD's error and ``Q``,
 order). Replicated entries carry the same key on every rank, so DCP writes them once; per-rank
 entries carry the rank in their key.
 
-Plain data (the optimizer's hyper-parameters, the compressor's counters) travels as a byte
-tensor read back with ``weights_only=True``; tensors inside it are pulled out into entries of
-their own first, so a large optimizer state is never pickled.
+Plain data (the optimizer's hyper-parameters and non-tensor state, the compressor's counters)
+travels as a byte tensor read back with ``weights_only=True``; tensors are pulled out into
+entries of their own first, so a large optimizer state is never pickled. Any optimizer's state
+is restored exactly, type for type (:mod:`syncline.train.optim_state`).
 """
 
 from __future__ import annotations
@@ -25,11 +26,20 @@ from syncline.dp.engine import DataParallel
 from syncline.dp.precision import LossScaler
 from syncline.errors import CheckpointError, ConfigError
 from syncline.pipeline.runtime import Pipeline
+from syncline.train.optim_state import (
+    check_optimizer,
+    load_optimizer,
+    names_in,
+    optimizer_entries,
+    optimizer_keys,
+)
 from syncline.train.snapshots import Snapshot, SnapshotStore
 
 __all__ = [
     "capture_dp",
     "capture_pipeline",
+    "check_dp_optimizer",
+    "check_pipeline_optimizers",
     "join_tensors",
     "read_meta",
     "restore_dp",
@@ -81,48 +91,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _optimizer_entries(opt: torch.optim.Optimizer, names: list[str]) -> dict[str, torch.Tensor]:
-    """``opt``'s state keyed by parameter name (``optim/NAME/KEY``) and its hyper-parameters,
-    so that any split of the model (any pipeline shape, or none) finds its parameters'."""
-    sd = opt.state_dict()
-    if len(sd["param_groups"]) != 1:
-        raise CheckpointError(f"an optimizer with {len(sd['param_groups'])} parameter groups")
-    out = {}
-    for i, per in sd["state"].items():
-        for key, value in per.items():
-            if not isinstance(value, torch.Tensor):
-                raise CheckpointError(f"optimizer state {names[i]}/{key} is not a tensor")
-            out[f"optim/{names[i]}/{key}"] = value.detach().cpu()
-    hyper = {k: v for k, v in sd["param_groups"][0].items() if k != "params"}
-    out["optim/hparams"] = pack_object(hyper)
-    return out
-
-
-def _optimizer_keys(index: dict[str, Any], names: list[str]) -> list[str]:
-    prefixes = tuple(f"optim/{n}/" for n in names)
-    return ["optim/hparams", *(k for k in index if k.startswith(prefixes))]
-
-
-def _load_optimizer(
-    opt: torch.optim.Optimizer, names: list[str], got: dict[str, torch.Tensor]
-) -> None:
-    hyper = unpack_object(got["optim/hparams"], "optimizer hyper-parameters")
-    state = {}
-    for i, name in enumerate(names):
-        prefix = f"optim/{name}/"
-        per = {k[len(prefix) :]: v for k, v in got.items() if k.startswith(prefix)}
-        if per:
-            state[i] = per
-    opt.load_state_dict(
-        {"state": state, "param_groups": [{**hyper, "params": list(range(len(names)))}]}
-    )
-
-
-def _names_in(opt: torch.optim.Optimizer, named: dict[int, str]) -> list[str]:
-    """The names of ``opt``'s parameters, in its order (``named``: id -> name)."""
-    return [named[id(p)] for group in opt.param_groups for p in group["params"]]
-
-
 def _local_entries(rank: int, compression: dict[str, Any]) -> dict[str, torch.Tensor]:
     local, tensors = split_tensors({"rng": _rng_state(), "compression": compression})
     out = {f"rank{rank}/{i}": t.cpu() for i, t in enumerate(tensors)}
@@ -141,6 +109,16 @@ def _local_state(got: dict[str, torch.Tensor], rank: int, device: torch.device) 
     return {"compression": compression}
 
 
+def check_dp_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer whose state a checkpoint cannot hold exactly (before the final
+    ``checkpoint.pt``: read with ``weights_only=True``, anything else would be unreadable).
+
+    Raises:
+        CheckpointError: naming the optimizer, the entry and its type.
+    """
+    check_optimizer(opt, names_in(opt, {id(p): n for n, p in model.named_parameters()}))
+
+
 def capture_dp(
     step: int,
     model: nn.Module,
@@ -154,7 +132,7 @@ def capture_dp(
     an fp16 run's loss scale (the same on every rank) goes into the run's metadata."""
     out = {f"model/{k}": v.detach().cpu() for k, v in model.state_dict().items()}
     named = {id(p): n for n, p in model.named_parameters()}
-    out.update(_optimizer_entries(opt, _names_in(opt, named)))
+    out.update(optimizer_entries(opt, names_in(opt, named)))
     out.update(_local_entries(rank, dp.compression_state_dict()))
     meta: dict[str, Any] = {"step": step, "world_size": world, "kind": "data-parallel"}
     if scaler is not None:
@@ -183,15 +161,15 @@ def restore_dp(
     meta = read_meta(store, snap)
     exact = meta.get("kind") == "data-parallel" and meta.get("world_size") == world
     index = read_index(snap.path)
-    names = _names_in(opt, {id(p): n for n, p in model.named_parameters()})
+    names = names_in(opt, {id(p): n for n, p in model.named_parameters()})
     model_keys = [f"model/{k}" for k in model.state_dict()]
-    keys = model_keys + _optimizer_keys(index, names)
+    keys = model_keys + optimizer_keys(index, names)
     if exact:
         keys += [k for k in index if k.startswith(f"rank{rank}/")]
     got = store.load(snap, keys)
     device = next(model.parameters()).device
     model.load_state_dict({k[len("model/") :]: got[k].to(device) for k in model_keys})
-    _load_optimizer(opt, names, got)
+    load_optimizer(opt, names, got)
     if exact:
         dp.load_compression_state_dict(_local_state(got, rank, device)["compression"])
     if scaler is not None and "loss_scale" in meta:
@@ -238,6 +216,13 @@ def stage_split(pipe: Pipeline) -> list[int] | None:
         return None
 
 
+def check_pipeline_optimizers(pipe: Pipeline) -> None:
+    """:func:`check_dp_optimizer` for each of this rank's stages' optimizers."""
+    named = _stage_names(_stage_entries(pipe))
+    for opt in pipe.optimizers:
+        check_optimizer(opt, names_in(opt, named))
+
+
 def capture_pipeline(
     step: int, pipe: Pipeline, rank: int, world: int, schedule: str
 ) -> dict[str, torch.Tensor]:
@@ -245,7 +230,7 @@ def capture_pipeline(
     out = {f"model/{k}": v.cpu() for k, v in pipe.local_state_dict().items()}
     named = _stage_names(_stage_entries(pipe))
     for opt in pipe.optimizers:
-        out.update(_optimizer_entries(opt, _names_in(opt, named)))
+        out.update(optimizer_entries(opt, names_in(opt, named)))
     compression = pipe.compression.state_dict() if pipe.data_parallel_size > 1 else {}
     out.update(_local_entries(rank, compression))
     meta = {"step": step, "world_size": world, "kind": "pipeline", "schedule": schedule}
@@ -279,7 +264,7 @@ def restore_pipeline(
     entries = _stage_entries(pipe)
     model_keys = [f"model/{k}" for k in entries]
     named = _stage_names(entries)
-    keys = model_keys + _optimizer_keys(index, list(named.values()))
+    keys = model_keys + optimizer_keys(index, list(named.values()))
     if exact:
         keys += [k for k in index if k.startswith(f"rank{rank}/")]
     got = store.load(snap, keys)
@@ -287,7 +272,7 @@ def restore_pipeline(
     model = {k[len("model/") :]: v for k, v in got.items() if k.startswith("model/")}
     pipe.load_local_state_dict(model, next_batch=step)
     for opt in pipe.optimizers:
-        _load_optimizer(opt, _names_in(opt, named), got)
+        load_optimizer(opt, names_in(opt, named), got)
     if exact:
         local = _local_state(got, rank, _device_of(entries))
         if pipe.data_parallel_size > 1:

@@ -41,7 +41,7 @@ from syncline.train.metrics import MetricsLog, memory_summary, plot_loss, summar
 from syncline.train.progress import Progress, human_bytes
 from syncline.train.sample import Sample, record_sample, sample_for
 from syncline.train.snapshots import SnapshotStore
-from syncline.train.state import capture_dp, restore_dp
+from syncline.train.state import capture_dp, check_dp_optimizer, restore_dp
 from syncline.train.tensorboard_log import TensorBoardLog
 from syncline.train.validation import Validation
 
@@ -221,6 +221,7 @@ def _finish(
     )
     wire = summary.get("wire_bytes_per_step") or 0
     summary["compression_ratio"] = summary["gradient_bytes"] / wire if wire else None
+    check_dp_optimizer(model, opt)  # refused by name, not saved unreadable
     ckpt = save_checkpoint(
         run_dir / "checkpoint.pt",
         {
