@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import math
 import textwrap
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -106,9 +107,10 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def check_positive(name: str, value: object) -> None:
-    """Raise :class:`ConfigError` unless ``value`` is a number > 0."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ConfigError(f"{name}={value!r} must be > 0")
+    """Raise :class:`ConfigError` unless ``value`` is a finite number > 0 (NaN and infinity
+    pass a plain ``> 0`` check one way or the other, and fail later, inside the run)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ConfigError(f"{name}={value!r} must be a finite number > 0")
 
 
 def check_positive_int(name: str, value: object) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -147,14 +146,9 @@ def config_from_args(ns: argparse.Namespace, *, planning: bool = False) -> Train
     nproc = values["nproc_per_node"]
     if isinstance(nproc, int) and nproc > limit:
         raise ConfigError(f"nproc_per_node={nproc} is more than this node allows ({limit}: {why})")
-    cfg = TrainConfig(**values)
-    from syncline.dp.registry import build_compressor
+    from syncline.train.preflight import check_run
 
-    build_compressor(cfg.compression)  # the compressor's own range checks, before any work
-    from syncline.train.preflight import preflight
-
-    preflight(cfg)  # the data's files, the user's factories
-    return cfg
+    return check_run(TrainConfig(**values))  # compressor ranges, data files, user factories
 
 
 # what a resumed run may set again: the length of the run, how it is launched and logged,
@@ -265,16 +259,10 @@ def _check_emulation(rate: str, values: dict[str, object], backend: str, gpus: i
 def cmd_train(ns: argparse.Namespace) -> int:
     cfg = config_from_args(ns)
     from syncline.launch.torchrun import LaunchSpec, launch
+    from syncline.train.preflight import prepare_run_dir
 
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.resume is None:  # a fresh run: nothing of an earlier run in this directory
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-        # a restarted worker resumes from the newest checkpoint it finds; one left by an
-        # earlier run here must not be it
-        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    run_dir = prepare_run_dir(cfg)
     config_path = run_dir / "config.json"
-    config_path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     pipeline = (
         f", pipeline of {cfg.pipeline_stages} stages ({cfg.schedule}, "
         f"{cfg.microbatches} micro-batches{', recompute' if cfg.recompute else ''})"

@@ -111,9 +111,7 @@ def split_names(text: str) -> tuple[str, ...]:
     return names
 
 
-def check_split_points(
-    points: Sequence[str], model: str, stages: int, balance: object, restarts: bool
-) -> None:
+def check_split_points(points: Sequence[str], model: str, stages: int, balance: object) -> None:
     """The checks of ``split_points`` that need no model (:func:`syncline.models.user.
     check_user_model` checks the names against the built model).
 
@@ -122,7 +120,6 @@ def check_split_points(
         model: ``--model``; split points apply to a factory's model only.
         stages: the pipeline's (virtual) stages.
         balance: the configured balance (split points exclude one).
-        restarts: the run resumes, or may restart (not supported with split points yet).
 
     Raises:
         ConfigError: naming the value and what is valid.
@@ -141,10 +138,4 @@ def check_split_points(
         raise ConfigError(
             f"balance={balance!r} with split_points: the split points say where the stages "
             "begin; valid: one of them"
-        )
-    if restarts:
-        raise ConfigError(
-            "resume and max_restarts do not support a pipeline cut at split_points yet (its "
-            "stages are traced on the first batch, after a checkpoint would load); valid: "
-            "an nn.Sequential model cut by layers, or max_restarts=0 and no resume"
         )

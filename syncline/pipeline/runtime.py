@@ -395,19 +395,7 @@ class Pipeline(CallRunner, PipelineReports):
         in_flight = self._in_flight is not None
         current = self._in_flight or self._queued or self._take(batches)
         self._queued = None if in_flight else current  # kept if the next batch is bad
-        if self._split_points is not None and self._traced is None:
-            self._setup_traced(to_device(current.inputs[0], self._device))
-        if not self._ready:
-            assert isinstance(self._module, nn.Sequential)
-            sample = current.inputs[0]
-            assert isinstance(sample, torch.Tensor)
-            self._setup(
-                profiled_split(
-                    self._module, sample.to(self._device), self._d, rank=self._rank,
-                    group=self._group, replicas=self._replicas, timeout_s=self._timeout_s,
-                    seed=self._seed, init=cast(LayerInit | None, self._init),
-                )
-            )  # fmt: skip
+        self._setup_on(current)
         nxt = None
         if self._plan.overlapping:
             try:
@@ -474,6 +462,31 @@ class Pipeline(CallRunner, PipelineReports):
             raise
 
     # -- setup -----------------------------------------------------------------------------
+
+    def prepare(self, batch: tuple[Inputs, torch.Tensor]) -> None:
+        """Build this rank's stages on ``batch`` (``(inputs, targets)``) without training:
+        trace at ``split_points`` (or profile the balance, collectively) on its first
+        micro-batch, as the first :meth:`train_step` does by itself; a resumed run calls it
+        to load a checkpoint into built stages. Nothing happens once built; a batch that
+        does not split into the micro-batches raises ``ConfigError``."""
+        self._check_usable()
+        if not self._ready:
+            self._setup_on(take_batch(iter((batch,)), self._next_batch, self._m))
+
+    def _setup_on(self, current: Batch) -> None:
+        """Trace (split points) or profile (no balance) on ``current``'s first micro-batch."""
+        if self._split_points is not None and self._traced is None:
+            self._setup_traced(to_device(current.inputs[0], self._device))
+        if not self._ready:
+            sample = current.inputs[0]
+            assert isinstance(self._module, nn.Sequential) and isinstance(sample, torch.Tensor)
+            self._setup(
+                profiled_split(
+                    self._module, sample.to(self._device), self._d, rank=self._rank,
+                    group=self._group, replicas=self._replicas, timeout_s=self._timeout_s,
+                    seed=self._seed, init=cast(LayerInit | None, self._init),
+                )
+            )  # fmt: skip
 
     def _require_setup(self) -> None:
         if not self._ready:

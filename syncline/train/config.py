@@ -9,6 +9,7 @@ their registries, so a registered plug-in is accepted like a built-in.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -252,10 +253,10 @@ class TrainConfig:
                 check_positive(name, getattr(self, name))
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"momentum={self.momentum!r} must be in [0, 1)")
-        if self.weight_decay < 0 or self.warmup_steps < 0:
+        if not 0 <= self.weight_decay < math.inf or self.warmup_steps < 0:
             raise ConfigError(
                 f"weight_decay={self.weight_decay!r} and warmup_steps={self.warmup_steps!r} "
-                "must be >= 0"
+                "must be >= 0 (and finite)"
             )
         if self.pipeline_stages > 1:
             self._check_pipeline()
@@ -359,8 +360,7 @@ class TrainConfig:
         stages = self.virtual_stages
         if self.split_points is not None:
             object.__setattr__(self, "split_points", tuple(self.split_points))
-            restarts = bool(self.resume or self.max_restarts)
-            check_split_points(self.split_points, self.model, stages, self.balance, restarts)
+            check_split_points(self.split_points, self.model, stages, self.balance)
         elif stages > (layers := self.model_layers):
             raise ConfigError(
                 f"pipeline_stages={d} needs {stages} stages but the {self.model} model has "

@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -61,6 +60,7 @@ from syncline.train.state import (
     check_pipeline_optimizers,
     read_meta,
     restore_pipeline,
+    same_pipeline_shape,
     stage_split,
 )
 from syncline.train.tensorboard_log import TensorBoardLog
@@ -90,6 +90,8 @@ def build_pipeline(
     group: comm.Group,
     data_parallel_group: comm.Group = None,
     balance: list[int] | None = None,
+    *,
+    ranks_per_node: int | None = None,
 ) -> Pipeline:
     """The configured :class:`Pipeline` over ``model`` on ``group`` (this rank keeps its
     stages only), its stages averaged over ``data_parallel_group`` through the configured
@@ -106,11 +108,10 @@ def build_pipeline(
     replica_allreduce = None
     if cfg.allreduce != "flat" and data_parallel_group is not None:  # collective: every rank
         world = comm.group_size()
-        per_node = cfg.ranks_per_node or os.environ.get("LOCAL_WORLD_SIZE", str(world))
+        per_node = Topology(world, ranks_per_node or cfg.ranks_per_node or world).ranks_per_node
         replica_allreduce = build_allreduce(
-            cfg.allreduce, data_parallel_group, timeout_s=cfg.timeout_s,
-            ranks_per_node=Topology.from_env_values(world, per_node).ranks_per_node,
-        )  # fmt: skip
+            cfg.allreduce, data_parallel_group, timeout_s=cfg.timeout_s, ranks_per_node=per_node
+        )
     assert cfg.schedule is not None and cfg.microbatches is not None
     return Pipeline(
         model,
@@ -136,12 +137,19 @@ def build_pipeline(
 
 
 def train_pipeline(
-    cfg: TrainConfig, rank: int, world: int, device: torch.device, *, attempt: int = 0
+    cfg: TrainConfig,
+    rank: int,
+    world: int,
+    device: torch.device,
+    *,
+    attempt: int = 0,
+    ranks_per_node: int | None = None,
 ) -> dict[str, Any]:
     """Train this rank's stages; returns the run summary (complete on rank 0).
 
     ``attempt``: torchrun's restart count; a restarted attempt, like ``--resume``, continues
-    from the newest checkpoint (cut into the same stages)."""
+    from the newest checkpoint (cut into the same stages). ``ranks_per_node``: the node size
+    a hierarchical allreduce of the replicas uses (the launcher's; default the world)."""
     replicas = cfg.pipeline_replicas
     model = build_model_for(cfg, meta=True)  # each rank materialises its stages only
     if not isinstance(model, nn.Sequential) and cfg.split_points is None:
@@ -168,15 +176,21 @@ def train_pipeline(
     )
     snap = store.latest() if cfg.resume is not None or attempt > 0 else None
     meta = read_meta(store, snap) if snap is not None else {}
-    exact = _same_shape(meta, cfg, world)
+    exact = same_pipeline_shape(meta, cfg, world)
     balance = None
-    if exact:  # cut as the checkpointed run was (its split was profiled)
+    if cfg.split_points is not None:
+        pass  # cut where the config says, traced again below
+    elif exact:  # cut as the checkpointed run was (its split was profiled)
         balance = list(meta["balance"])
     elif snap is not None and cfg.balance is None:  # resharded: an even split, no profiling
         balance = balance_costs([1.0] * cfg.model_layers, cfg.virtual_stages)
-    pipe = build_pipeline(cfg, model, device, group, data_parallel, balance=balance)
+    pipe = build_pipeline(
+        cfg, model, device, group, data_parallel, balance=balance, ranks_per_node=ranks_per_node
+    )
     start = 0
     if snap is not None:
+        if cfg.split_points is not None:  # traced on the batch the run continues with
+            pipe.prepare(shard.batch(int(meta["step"])))
         start = restore_pipeline(store, snap, pipe, rank, meta, exact)
         if rank == 0:
             how = "" if exact else ", resharded: fresh RNG and compressor state"
@@ -244,7 +258,7 @@ def train_pipeline(
             assert cfg.schedule is not None
             store.save(
                 done,
-                capture_pipeline(done, pipe, rank, world, cfg.schedule),
+                capture_pipeline(done, pipe, rank, world, cfg.schedule, cfg.split_points),
                 on_written=functools.partial(
                     fail_if_injected, cfg, rank, step, attempt, "checkpoint"
                 ),
@@ -337,16 +351,6 @@ def _segment_ends(start: int, steps: int, every: int) -> dict[int, int]:
     """
     cuts = [start, *range((start // every + 1) * every, steps, every)] if every else [start]
     return {a: b for a, b in zip(cuts, [*cuts[1:], steps], strict=True)}
-
-
-def _same_shape(meta: dict[str, Any], cfg: TrainConfig, world: int) -> bool:
-    """Whether the checkpoint's run had this run's shape (then the continuation is exact)."""
-    return (
-        meta.get("kind") == "pipeline"
-        and meta.get("world_size") == world
-        and meta.get("schedule") == cfg.schedule
-        and len(meta.get("balance", ())) == cfg.virtual_stages
-    )
 
 
 def _rank_results(

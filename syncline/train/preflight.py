@@ -8,12 +8,46 @@ module, or split points that name no module end the command with one line.
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 from syncline.data.registry import check_data
 from syncline.errors import ConfigError
 from syncline.models.factory import FactoryCall
 from syncline.train.config import TrainConfig
 
-__all__ = ["preflight"]
+__all__ = ["check_run", "preflight", "prepare_run_dir"]
+
+
+def check_run(cfg: TrainConfig) -> TrainConfig:
+    """Every check a run passes before any process starts, after the config's own: the
+    compressor spec's value ranges (the compressor's to check) and :func:`preflight`. The one
+    validation pass of ``syncline train`` (and of :func:`syncline.testing.run_training`): a
+    combination the runtime cannot train is refused here, in one line, or not at all.
+
+    Raises:
+        ConfigError: naming the bad value or the conflicting options, and what is valid.
+    """
+    from syncline.dp.registry import build_compressor
+
+    build_compressor(cfg.compression)
+    preflight(cfg)
+    return cfg
+
+
+def prepare_run_dir(cfg: TrainConfig) -> Path:
+    """Make the run directory a launch starts from: a fresh run (no ``resume``) finds no
+    metrics or checkpoints of an earlier run there (a restarted worker resumes from the
+    newest checkpoint it finds, and one left by an earlier run must not be it); the config
+    is written as ``config.json``, which every worker reads."""
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.resume is None:
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    return run_dir
 
 
 def preflight(cfg: TrainConfig) -> None:

@@ -26,6 +26,7 @@ from syncline.dp.engine import DataParallel
 from syncline.dp.precision import LossScaler
 from syncline.errors import CheckpointError, ConfigError
 from syncline.pipeline.runtime import Pipeline
+from syncline.train.config import TrainConfig
 from syncline.train.optim_state import (
     check_optimizer,
     load_optimizer,
@@ -224,9 +225,15 @@ def check_pipeline_optimizers(pipe: Pipeline) -> None:
 
 
 def capture_pipeline(
-    step: int, pipe: Pipeline, rank: int, world: int, schedule: str
+    step: int,
+    pipe: Pipeline,
+    rank: int,
+    world: int,
+    schedule: str,
+    split_points: tuple[str, ...] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The tensor map of a pipeline run after ``step`` steps, with nothing in flight."""
+    """The tensor map of a pipeline run after ``step`` steps, with nothing in flight
+    (``split_points``: where the model was cut, when not by layers)."""
     out = {f"model/{k}": v.cpu() for k, v in pipe.local_state_dict().items()}
     named = _stage_names(_stage_entries(pipe))
     for opt in pipe.optimizers:
@@ -236,7 +243,9 @@ def capture_pipeline(
     meta = {"step": step, "world_size": world, "kind": "pipeline", "schedule": schedule}
     if pipe.loss_scaler is not None:  # fp16: the same scale on every rank
         meta["loss_scale"] = pipe.loss_scaler.state_dict()
-    out["run/meta"] = pack_object({**meta, "balance": stage_split(pipe)})
+    points = None if split_points is None else list(split_points)
+    meta |= {"balance": stage_split(pipe), "split_points": points}
+    out["run/meta"] = pack_object(meta)
     return out
 
 
@@ -280,3 +289,17 @@ def restore_pipeline(
     if pipe.loss_scaler is not None and "loss_scale" in meta:
         pipe.loss_scaler.load_state_dict(meta["loss_scale"])
     return step
+
+
+def same_pipeline_shape(meta: dict[str, Any], cfg: TrainConfig, world: int) -> bool:
+    """Whether the checkpoint's run had this run's shape (then the continuation is exact)."""
+    if (
+        meta.get("kind") != "pipeline"
+        or meta.get("world_size") != world
+        or meta.get("schedule") != cfg.schedule
+    ):
+        return False
+    if cfg.split_points is not None:  # cut at the same modules (the run's own trace)
+        return meta.get("split_points") == list(cfg.split_points)
+    balance = meta.get("balance")
+    return balance is not None and len(balance) == cfg.virtual_stages

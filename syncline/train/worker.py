@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Any
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -20,6 +21,39 @@ from syncline.train.common import rank_backend_and_device
 from syncline.train.config import TrainConfig
 from syncline.train.pipeline_trainer import train_pipeline
 from syncline.train.trainer import train
+
+
+def run_rank(
+    cfg: TrainConfig,
+    rank: int,
+    world: int,
+    device: torch.device,
+    *,
+    ranks_per_node: int,
+    attempt: int = 0,
+) -> dict[str, Any]:
+    """Train on this rank once its default group is up; returns the run summary (complete
+    on rank 0). What torchrun tells a worker through its environment comes in as arguments
+    (``ranks_per_node``: the node size a hierarchical allreduce uses; ``attempt``: the
+    restart count), so :func:`syncline.testing.run_training` runs exactly this in-process.
+    """
+    if cfg.pipelined:
+        summary = train_pipeline(
+            cfg, rank, world, device, attempt=attempt, ranks_per_node=ranks_per_node
+        )
+    else:
+        allreduce: str | comm.Collective = "flat"
+        if cfg.allreduce != "flat":
+            allreduce = build_allreduce(
+                cfg.allreduce, timeout_s=cfg.timeout_s, ranks_per_node=ranks_per_node
+            )
+        summary = train(cfg, rank, world, device, allreduce=allreduce, attempt=attempt)
+    # Leave together: a rank that tears its process groups down while a peer is still
+    # taking its last message (rank 0 gathers the stage weights and traces one rank at a
+    # time) was seen to abort inside gloo at exit ("terminate called without an active
+    # exception", 4-rank pipeline runs). Rank 0 arrives after writing the run directory.
+    comm.barrier(timeout_s=cfg.timeout_s, what="end-of-training barrier")
+    return summary
 
 
 @record
@@ -36,25 +70,16 @@ def main(argv: list[str] | None = None) -> int:
     backend, device = rank_backend_and_device(cfg, int(os.environ.get("LOCAL_RANK", "0")))
     rank, world = comm.init_from_env(backend=backend, timeout_s=cfg.timeout_s)
     try:
-        allreduce: str | comm.Collective = "flat"
-        if cfg.allreduce != "flat" and not cfg.pipelined:
-            per_node = cfg.ranks_per_node or os.environ.get("LOCAL_WORLD_SIZE", str(world))
-            allreduce = build_allreduce(
-                cfg.allreduce,
-                timeout_s=cfg.timeout_s,
-                ranks_per_node=Topology.from_env_values(world, per_node).ranks_per_node,
-            )
+        per_node = cfg.ranks_per_node or os.environ.get("LOCAL_WORLD_SIZE", str(world))
         # torchrun counts the restarts of the whole worker group (--max-restarts)
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        if cfg.pipelined:
-            train_pipeline(cfg, rank, world, device, attempt=attempt)
-        else:
-            train(cfg, rank, world, device, allreduce=allreduce, attempt=attempt)
-        # Leave together: a rank that tears its process groups down while a peer is still
-        # taking its last message (rank 0 gathers the stage weights and traces one rank at a
-        # time) was seen to abort inside gloo at exit ("terminate called without an active
-        # exception", 4-rank pipeline runs). Rank 0 arrives after writing the run directory.
-        comm.barrier(timeout_s=cfg.timeout_s, what="end-of-training barrier")
+        run_rank(
+            cfg,
+            rank,
+            world,
+            device,
+            ranks_per_node=Topology.from_env_values(world, per_node).ranks_per_node,
+            attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        )
     finally:
         comm.destroy()
     return 0

@@ -21,7 +21,9 @@ TRAIN_ERRORS = [
     ({"batch_size": 0}, "batch_size=0 must be a positive integer"),
     ({"steps": -3}, "steps=-3"),
     ({"batch_size": 30, "nproc_per_node": 4}, "batch_size=30 is not divisible"),
-    ({"lr": 0.0}, "lr=0.0 must be > 0"),
+    ({"lr": 0.0}, "lr=0.0 must be a finite number > 0"),
+    ({"lr": float("inf")}, "lr=inf must be a finite number > 0"),
+    ({"weight_decay": float("nan")}, "weight_decay=nan and warmup_steps=20 must be >= 0"),
     (
         {"model_options": {"n_embd": 100, "n_head": 3}},
         "n_embd=100 is not divisible by n_head=3",

@@ -174,3 +174,27 @@ def toy_batch(name: str, step: int, size: int) -> tuple[torch.Tensor, torch.Tens
     else:
         x = torch.randn(size, 6, generator=g)
     return x, y
+
+
+# ---------------------------------------------------------------------------------------------
+# a factory's model that is no nn.Sequential (``--model tests.zoo.models:split_lm``)
+
+
+class SplitLM(nn.Module):
+    """A byte-level language model as a user writes one: a pipeline cuts it at split points
+    (``body``), never by layers."""
+
+    def __init__(self, seq_len: int, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(256, width)
+        self.pos = nn.Parameter(torch.zeros(seq_len, width))
+        self.body = nn.Sequential(nn.Linear(width, width), nn.Tanh())
+        self.head = nn.Linear(width, 256)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.embed(ids) + self.pos[: ids.shape[1]]))
+
+
+def split_lm(seq_len: int, width: int = 16) -> nn.Module:
+    """The factory ``syncline train --model tests.zoo.models:split_lm`` calls."""
+    return SplitLM(seq_len, width)
