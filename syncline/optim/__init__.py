@@ -7,7 +7,22 @@ per tensor and computed on the whole gradient: under data parallelism the all-re
 (the optimizer steps after the average), under 2BW the delayed one the stage steps with.
 """
 
-from syncline.optim.lamb import Lamb
-from syncline.optim.lars import Lars
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["Lamb", "Lars"]
+
+
+def __getattr__(name: str) -> Any:
+    """``Lamb`` and ``Lars`` on first use: the optimizer registry
+    (:mod:`syncline.optim.registry`) is read by pure modules that must not load torch."""
+    if name == "Lamb":
+        from syncline.optim.lamb import Lamb
+
+        return Lamb
+    if name == "Lars":
+        from syncline.optim.lars import Lars
+
+        return Lars
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,7 +19,9 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from syncline.dp.registry import COMPRESSORS, compressor_name
 from syncline.errors import ConfigError
+from syncline.optim.registry import OPTIMIZERS
 from syncline.planner.costs import ModelCosts
 from syncline.planner.hardware import Cluster
 from syncline.planner.predict import Configuration, Prediction, predict
@@ -29,8 +31,6 @@ from syncline.schedule.registry import check_microbatches
 __all__ = ["SearchSpace", "candidates", "search"]
 
 DEFAULT_COMPRESSIONS = ("none", "fp16", "csc:0.01", "topk:0.01", "powersgd:4")
-#: optimizers with a first moment of their own: CSC beside them runs without its momentum
-ADAPTIVE_OPTIMIZERS = ("adamw", "lamb")
 EXACT_COMPRESSIONS = ("none", "fp16", "bf16")
 LOSSY_MARGIN = 0.05
 TIE = 0.005
@@ -58,9 +58,10 @@ class SearchSpace:
                 raise ConfigError(f"{name}={value!r} is invalid; valid: an int >= 1")
         for name in self.schedules:
             SCHEDULES.get(name)
-        if self.optimizer in ADAPTIVE_OPTIMIZERS:  # CSC's momentum would double Adam's
+        if OPTIMIZERS.get(self.optimizer).adaptive:  # a compressor's momentum: twice
             specs = [
-                c + ":momentum=0" if c.split(":")[0] == "csc" else c for c in self.compressions
+                c + ":momentum=0" if COMPRESSORS.get(compressor_name(c)).owns_momentum else c
+                for c in self.compressions
             ]
             object.__setattr__(self, "compressions", tuple(specs))
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from syncline.comm.registry import ALLREDUCE
 from syncline.dp.config import PRECISIONS
 from syncline.dp.registry import COMPRESSORS
+from syncline.optim.registry import OPTIMIZERS
 from syncline.schedule.registry import SCHEDULES
-from syncline.train.config import OPTIMIZERS
 
 __all__ = ["Cell", "Dimension", "all_pairs", "pairs_of", "train_dimensions"]
 
@@ -48,7 +48,7 @@ def train_dimensions() -> list[Dimension]:
     held-out loss and a generated sample, or neither.
     """
     return [
-        Dimension("optimizer", tuple(OPTIMIZERS)),
+        Dimension("optimizer", tuple(OPTIMIZERS.names())),
         Dimension("layout", ("dp", *SCHEDULES.names(), "split")),
         Dimension("ranks", ("2", "4")),
         Dimension("precision", tuple(PRECISIONS)),

@@ -23,7 +23,7 @@ from syncline.dp.compression import Compressor
 from syncline.errors import ConfigError
 from syncline.launch.devices import device_kind, resolved_backend
 from syncline.models.meta_init import LayerInit, materialize
-from syncline.optim import Lamb, Lars
+from syncline.optim.registry import build_optimizer
 from syncline.registry import resolve
 from syncline.train.config import TrainConfig
 
@@ -131,15 +131,11 @@ def make_optimizer(
     CSC applies momentum *before* sparsification (momentum correction, Lin et al. 2018), so
     the optimizer must not apply it a second time.
     """
-    lr, decay = cfg.peak_lr, cfg.weight_decay
     momentum = 0.0 if compressor is not None and cfg.owns_momentum else cfg.momentum
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=decay)
-    if cfg.optimizer == "lars":
-        return Lars(params, lr=lr, momentum=momentum, weight_decay=decay)
-    if cfg.optimizer == "lamb":
-        return Lamb(params, lr=lr, weight_decay=decay)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=decay)
+    opt: torch.optim.Optimizer = build_optimizer(
+        cfg.optimizer, params, lr=cfg.peak_lr, momentum=momentum, weight_decay=cfg.weight_decay
+    )
+    return opt
 
 
 def set_lr(optimizers: list[torch.optim.Optimizer], lr: float) -> None:

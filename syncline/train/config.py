@@ -22,16 +22,14 @@ from syncline.fields import check_positive, check_positive_int, option
 from syncline.launch.devices import CPU_NPROC_PER_NODE, refuse_emulated_nccl
 from syncline.models.factory import check_split_points, split_names
 from syncline.models.registry import ModelSpec, model_forms, model_spec
+from syncline.optim.registry import OPTIMIZERS
 from syncline.partition import check_balance
 from syncline.pipeline.config import DEFAULT_SCHEDULE
 from syncline.schedule.registry import SCHEDULES, ScheduleSpec, check_microbatches
 
-__all__ = ["BACKENDS", "FAILURE_PHASES", "LR_SCALINGS", "OPTIMIZERS", "PRECISIONS", "TrainConfig"]
+__all__ = ["BACKENDS", "FAILURE_PHASES", "LR_SCALINGS", "PRECISIONS", "TrainConfig"]
 
-OPTIMIZERS = ("adamw", "sgd", "lars", "lamb")
 LR_SCALINGS = ("none", "linear", "sqrt")
-#: optimizers with a first moment of their own (momentum beside a compressor's is refused)
-ADAPTIVE = ("adamw", "lamb")
 #: where ``--inject-failure RANK:STEP:PHASE`` strikes: ``start`` (exit code 17 before the
 #: step), or SIGKILL ``forward`` (inside the model's forward), ``allreduce`` (in backward,
 #: while the peers wait in the gradient allreduce; a pipeline with replicas: in its stage's
@@ -97,9 +95,10 @@ class TrainConfig:
     value is printed at the start and saved in summary.json."""
     base_batch_size: int | None = option(None, group=_OPT, default_text="batch_size")
     """The global batch ``lr`` was tuned for."""
-    optimizer: str = option("adamw", group=_OPT, choices=lambda: OPTIMIZERS)
-    """``adamw``, ``sgd``, ``lars`` (SGD with layer-wise trust ratios, You et al. 2017) or
-    ``lamb`` (Adam with layer-wise trust ratios, You et al. 2019): :mod:`syncline.optim`."""
+    optimizer: str = option("adamw", group=_OPT, choices=OPTIMIZERS.names)
+    """A registered optimizer (:data:`syncline.optim.registry.OPTIMIZERS`): ``adamw``,
+    ``sgd``, ``lars`` (SGD with layer-wise trust ratios, You et al. 2017), ``lamb`` (Adam
+    with layer-wise trust ratios, You et al. 2019) or a plug-in's."""
     precision: str = option("fp32", group=_OPT, choices=lambda: PRECISIONS)
     """``fp32``; ``bf16`` or ``fp16``: the forward and the loss under autocast, weights,
     gradients and optimizer state in fp32; fp16 scales the loss dynamically, every rank
@@ -282,13 +281,10 @@ class TrainConfig:
             )
         if self.base_batch_size is not None:
             check_positive_int("base_batch_size", self.base_batch_size)
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(
-                f"optimizer={self.optimizer!r} is not known; valid: {', '.join(OPTIMIZERS)}"
-            )
+        adaptive = OPTIMIZERS.get(self.optimizer).adaptive
         entry, args = parse(self.compression)  # value ranges are the compressor's to check
         self._check_precision()
-        if entry.owns_momentum and args.get("momentum") != 0 and self.optimizer in ADAPTIVE:
+        if entry.owns_momentum and args.get("momentum") != 0 and adaptive:
             raise ConfigError(
                 f"compression={self.compression!r} applies momentum itself (momentum "
                 f"correction) and optimizer={self.optimizer!r} applies its own first moment "

@@ -11,7 +11,6 @@ the whole (unsplit) model, ``trace.json``, ``schedule.png``, the loss curve and 
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import time
@@ -24,13 +23,12 @@ import torch
 from torch import nn
 
 from syncline import comm
-from syncline.comm.device import Stopwatch
 from syncline.comm.registry import build_allreduce
 from syncline.comm.topology import Topology
 from syncline.data import ShardedBatches
 from syncline.data.user import KeywordInputs
 from syncline.dp.compressors import build_compressor
-from syncline.dp.precision import LossScaler, scaler_summary
+from syncline.dp.precision import LossScaler
 from syncline.errors import ConfigError
 from syncline.models.user import first_argument
 from syncline.partition import balance as balance_costs
@@ -38,10 +36,8 @@ from syncline.pipeline import Pipeline
 from syncline.schedule import Event, Timeline, bubble_fraction, to_chrome_trace
 from syncline.train.checkpoint import save_checkpoint
 from syncline.train.common import (
-    arm_failure,
     build_datasets,
     build_model_for,
-    fail_if_injected,
     layer_init_for,
     loss_for,
     lr_at,
@@ -50,11 +46,12 @@ from syncline.train.common import (
     set_lr,
 )
 from syncline.train.config import TrainConfig
-from syncline.train.metrics import MetricsLog, memory_summary, plot_loss, summarize, timed_record
+from syncline.train.loop import Outputs, announce_resume, common_summary, write_summary
+from syncline.train.metrics import MetricsLog, memory_summary, plot_loss
 from syncline.train.plots import plot_schedule
-from syncline.train.progress import Progress, human_bytes
-from syncline.train.sample import Sample, record_sample, sample_for
-from syncline.train.snapshots import SnapshotStore
+from syncline.train.progress import human_bytes
+from syncline.train.sample import Sample, sample_for
+from syncline.train.snapshots import Snapshot, SnapshotStore
 from syncline.train.state import (
     capture_pipeline,
     check_pipeline_optimizers,
@@ -136,145 +133,130 @@ def build_pipeline(
     )
 
 
-def train_pipeline(
-    cfg: TrainConfig,
-    rank: int,
-    world: int,
-    device: torch.device,
-    *,
-    attempt: int = 0,
-    ranks_per_node: int | None = None,
-) -> dict[str, Any]:
-    """Train this rank's stages; returns the run summary (complete on rank 0).
+class PipelineRunner:
+    """One rank of a pipeline run: its stages of the model (a :class:`Pipeline`), the
+    shard of the data its replica reads, and the meter of the bytes on the wire."""
 
-    ``attempt``: torchrun's restart count; a restarted attempt, like ``--resume``, continues
-    from the newest checkpoint (cut into the same stages). ``ranks_per_node``: the node size
-    a hierarchical allreduce of the replicas uses (the launcher's; default the world)."""
-    replicas = cfg.pipeline_replicas
-    model = build_model_for(cfg, meta=True)  # each rank materialises its stages only
-    if not isinstance(model, nn.Sequential) and cfg.split_points is None:
-        raise ConfigError(
-            f"model {cfg.model!r} built a {type(model).__name__}; a pipeline cuts an "
-            "nn.Sequential: valid: pipeline_stages=1, a model built as nn.Sequential, or "
-            "--split-points"
+    per_layer_failures = True
+
+    def __init__(self, cfg: TrainConfig, rank: int, world: int, device: torch.device) -> None:
+        self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
+        replicas = cfg.pipeline_replicas
+        self.model = build_model_for(cfg, meta=True)  # each rank materialises its stages only
+        if not isinstance(self.model, nn.Sequential) and cfg.split_points is None:
+            raise ConfigError(
+                f"model {cfg.model!r} built a {type(self.model).__name__}; a pipeline cuts an "
+                "nn.Sequential: valid: pipeline_stages=1, a model built as nn.Sequential, or "
+                "--split-points"
+            )
+        self.dataset, self.held_out, self.tokens_per_sample = build_datasets(cfg)
+        fed, held_fed = self.dataset, self.held_out
+        if cfg.split_points is not None:  # a traced model takes its inputs by name
+            name = first_argument(self.model)
+            fed = KeywordInputs(self.dataset, name)
+            held_fed = None if self.held_out is None else KeywordInputs(self.held_out, name)
+        # global rank = stage * replicas + replica: every stage of replica j reads shard j
+        self.shard = ShardedBatches(fed, cfg.batch_size, rank % replicas, replicas, cfg.seed)
+        self.validation = Validation(
+            cfg, held_fed, rank % replicas, replicas, self.tokens_per_sample
         )
-    dataset, held_out, tokens_per_sample = build_datasets(cfg)
-    fed, held_fed = dataset, held_out
-    if cfg.split_points is not None:  # a traced model takes its inputs by name
-        name = first_argument(model)
-        fed = KeywordInputs(dataset, name)
-        held_fed = None if held_out is None else KeywordInputs(held_out, name)
-    # global rank = stage * replicas + replica: every stage of replica j reads shard j
-    shard = ShardedBatches(fed, cfg.batch_size, rank % replicas, replicas, cfg.seed)
-    validation = Validation(cfg, held_fed, rank % replicas, replicas, tokens_per_sample)
-    group, data_parallel = pipeline_groups(cfg, world)
-    store = SnapshotStore(
-        Path(cfg.run_dir) / "checkpoints",
-        keep=cfg.keep_checkpoints,
-        timeout_s=cfg.timeout_s,
-        device=device,
-    )
-    snap = store.latest() if cfg.resume is not None or attempt > 0 else None
-    meta = read_meta(store, snap) if snap is not None else {}
-    exact = same_pipeline_shape(meta, cfg, world)
-    balance = None
-    if cfg.split_points is not None:
-        pass  # cut where the config says, traced again below
-    elif exact:  # cut as the checkpointed run was (its split was profiled)
-        balance = list(meta["balance"])
-    elif snap is not None and cfg.balance is None:  # resharded: an even split, no profiling
-        balance = balance_costs([1.0] * cfg.model_layers, cfg.virtual_stages)
-    pipe = build_pipeline(
-        cfg, model, device, group, data_parallel, balance=balance, ranks_per_node=ranks_per_node
-    )
-    start = 0
-    if snap is not None:
-        if cfg.split_points is not None:  # traced on the batch the run continues with
-            pipe.prepare(shard.batch(int(meta["step"])))
-        start = restore_pipeline(store, snap, pipe, rank, meta, exact)
-        if rank == 0:
-            how = "" if exact else ", resharded: fresh RNG and compressor state"
-            print(f"resumed from {snap.path} (step {start}{how})", flush=True)
-    log = MetricsLog(Path(cfg.run_dir) / "metrics.jsonl", resume_at=start) if rank == 0 else None
-    progress = Progress(cfg.steps) if rank == 0 else None
-    board = (
-        TensorBoardLog.open(Path(cfg.run_dir), pipelined=True)
-        if progress is not None and cfg.tensorboard
-        else None
-    )
-    t_start = trace_from = time.perf_counter()  # wall clock: elapsed time, ETA, the trace
-    watch = Stopwatch(device)  # the step's time on its device (read at logged steps only)
-    wire = _WireMeter(pipe, start, cfg.timeout_s, device)
-    ends = _segment_ends(start, cfg.steps, cfg.checkpoint_every or 0)
-    batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = iter(())
-    for step in range(start, cfg.steps):
-        if step in ends:  # 2BW takes no batch beyond a checkpoint step: it flushes there
-            batches = itertools.islice(shard.batches(step), ends[step] - step)
-        fail_if_injected(cfg, rank, step, attempt)
-        armed = arm_failure(cfg, rank, step, attempt, model, per_layer=True)
+        self.start = 0
+        self.trace_from = time.perf_counter()  # host time: the traced actions' clock
+        self._batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = iter(())
+        self.pipe: Pipeline
+        self.wire: _WireMeter
+        self.ends: dict[int, int] = {}
+
+    @classmethod
+    def open(
+        cls,
+        cfg: TrainConfig,
+        rank: int,
+        world: int,
+        device: torch.device,
+        store: SnapshotStore,
+        snap: Snapshot | None,
+        ranks_per_node: int | None = None,
+    ) -> PipelineRunner:
+        """Build this rank's stages, cut as the checkpointed run was and continued from
+        ``snap`` when there is one. ``ranks_per_node``: the node size a hierarchical
+        allreduce of the replicas uses (the launcher's; default the world)."""
+        runner = cls(cfg, rank, world, device)
+        group, data_parallel = pipeline_groups(cfg, world)
+        meta = read_meta(store, snap) if snap is not None else {}
+        exact = same_pipeline_shape(meta, cfg, world)
+        balance = None
+        if cfg.split_points is not None:
+            pass  # cut where the config says, traced again below
+        elif exact:  # cut as the checkpointed run was (its split was profiled)
+            balance = list(meta["balance"])
+        elif snap is not None and cfg.balance is None:  # resharded: even, no profiling
+            balance = balance_costs([1.0] * cfg.model_layers, cfg.virtual_stages)
+        runner.pipe = pipe = build_pipeline(
+            cfg, runner.model, device, group, data_parallel, balance=balance,
+            ranks_per_node=ranks_per_node,
+        )  # fmt: skip
+        if snap is not None:
+            if cfg.split_points is not None:  # traced on the batch the run continues with
+                pipe.prepare(runner.shard.batch(int(meta["step"])))
+            runner.start = restore_pipeline(store, snap, pipe, rank, meta, exact)
+            announce_resume(rank, snap, runner.start, exact)
+        runner.wire = _WireMeter(pipe, runner.start, cfg.timeout_s, device)
+        runner.ends = _segment_ends(runner.start, cfg.steps, cfg.checkpoint_every or 0)
+        return runner
+
+    def step(self, step: int, lr: float) -> torch.Tensor:
+        cfg = self.cfg
+        if step in self.ends:  # 2BW takes no batch beyond a checkpoint step: it flushes there
+            self._batches = itertools.islice(self.shard.batches(step), self.ends[step] - step)
         if step == max(0, cfg.steps - TRACE_STEPS):
-            trace_from = time.perf_counter()  # the traced actions' clock (host time)
-        watch.start()
-        lr = lr_at(cfg, step)
+            self.trace_from = time.perf_counter()
         if step:  # the first step builds the optimizers (with this lr) when it profiles
-            set_lr(pipe.optimizers, lr)
-        step_loss = pipe.train_step(batches, return_tensor=True)  # read only when logged
-        for handle in armed:
-            handle.remove()
-        watch.stop()
-        validated: dict[str, float] = {}
-        if validation.due(step):  # every rank; 2BW: on the newest weights, nothing disturbed
-            validated = validation.metrics(validation.pipeline_loss(pipe))
-        logged = step % cfg.log_every == 0 or step == cfg.steps - 1 or bool(validated)
-        if logged:  # every rank: the job's bytes on the wire go into the record
-            measured = wire.per_step(step, final=step == cfg.steps - 1)
-        if log is not None and progress is not None and logged:
-            loss = float(step_loss)
-            record = timed_record(
-                step,
-                loss,
-                lr,
-                samples=cfg.batch_size,
-                tokens_per_sample=tokens_per_sample,
-                step_s=watch.elapsed_s(),
-                run_started=t_start,
-                wire_bytes=None if measured is None else sum(measured[0].values()),
-                wire_split=None if measured is None else measured[0],
-                wire_steps=None if measured is None else measured[1],
-                val_loss=validated.get("val_loss"),
-                val_ppl=validated.get("val_ppl"),
-            )
-            log.append(record)
-            if board is not None:
-                board.add(record)
-            progress.update(
-                step, loss, record.samples_per_s, record.tokens_per_s, None, step_s=record.step_s
-            )
-            if validated:
-                progress.validation(step, validated)
-        done = step + 1
-        if cfg.checkpoint_due(done):
-            pipe.flush()  # 2BW: its batches ended here, so nothing is in flight
-            assert cfg.schedule is not None
-            store.save(
-                done,
-                capture_pipeline(done, pipe, rank, world, cfg.schedule, cfg.split_points),
-                on_written=functools.partial(
-                    fail_if_injected, cfg, rank, step, attempt, "checkpoint"
-                ),
-            )
-    pipe.flush()
-    sample = _sample(cfg, pipe, dataset if held_out is None else held_out, tokens_per_sample, rank)
-    gathered = comm.gather_objects(
-        _rank_results(pipe, trace_from, device, weights=rank % replicas == 0),
-        what="gather of stage weights and traces",
-        timeout_s=cfg.timeout_s,
-        device=device if device.type == "cuda" else None,
-    )
-    if gathered is None or log is None or progress is None:
-        return {}
-    progress.close()
-    return _finish(cfg, model, gathered, log, world, pipe.loss_scaler, board, sample)
+            set_lr(self.pipe.optimizers, lr)
+        return self.pipe.train_step(self._batches, return_tensor=True)
+
+    def validation_loss(self) -> float:
+        # every rank; 2BW: on the newest weights, nothing disturbed
+        return self.validation.pipeline_loss(self.pipe)
+
+    def record_fields(self, step: int, *, final: bool) -> dict[str, Any]:
+        # every rank: the job's bytes on the wire go into the record
+        measured = self.wire.per_step(step, final=final)
+        if measured is None:
+            return {"wire_bytes": None, "wire_split": None, "wire_steps": None}
+        return {
+            "wire_bytes": sum(measured[0].values()),
+            "wire_split": measured[0],
+            "wire_steps": measured[1],
+        }
+
+    def capture(self, done: int) -> dict[str, torch.Tensor]:
+        self.pipe.flush()  # 2BW: its batches ended here, so nothing is in flight
+        assert self.cfg.schedule is not None
+        return capture_pipeline(
+            done, self.pipe, self.rank, self.world, self.cfg.schedule, self.cfg.split_points
+        )
+
+    def finish(self, outputs: Outputs) -> dict[str, Any]:
+        cfg, pipe, rank = self.cfg, self.pipe, self.rank
+        pipe.flush()
+        data = self.dataset if self.held_out is None else self.held_out
+        sample = _sample(cfg, pipe, data, self.tokens_per_sample, rank)
+        gathered = comm.gather_objects(
+            _rank_results(
+                pipe, self.trace_from, self.device, weights=rank % cfg.pipeline_replicas == 0
+            ),
+            what="gather of stage weights and traces",
+            timeout_s=cfg.timeout_s,
+            device=self.device if self.device.type == "cuda" else None,
+        )
+        log, progress = outputs.log, outputs.progress
+        if gathered is None or log is None or progress is None:
+            return {}
+        progress.close()
+        return _finish(
+            cfg, self.model, gathered, log, self.world, pipe.loss_scaler, outputs.board, sample
+        )
 
 
 def _sample(
@@ -481,18 +463,10 @@ def _finish(
         run_dir / "loss.png",
         f"{cfg.model} on {cfg.dataset}, {cfg.schedule} pipeline of {cfg.virtual_stages} stages",
     )
-    summary = summarize(log.records)
+    summary = common_summary(cfg, log, world, model, scaler)
     for key in ("collectives_per_step", "median_exposed_comm_s"):
         summary.pop(key, None)
     summary.update(
-        model=cfg.model,
-        data=cfg.dataset,
-        optimizer=cfg.optimizer,
-        peak_lr=cfg.peak_lr,
-        precision=cfg.precision,
-        **scaler_summary(scaler),
-        world_size=world,
-        parameters=sum(p.numel() for p in model.parameters()),
         schedule=cfg.schedule,
         pipeline_stages=cfg.pipeline_stages,
         virtual_stages=cfg.virtual_stages,
@@ -508,10 +482,7 @@ def _finish(
         traced_idle_per_rank={str(r): f for r, f in timeline.idle_fractions().items()},
         checkpoint=str(ckpt),
     )
-    shown = record_sample(sample, run_dir, summary)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if board is not None:
-        board.close(summary, cfg.steps - 1)
+    shown = write_summary(cfg, summary, sample, board)
     _print_summary(summary, run_dir, board is not None)
     if shown:
         print(shown.lstrip("\n"), flush=True)

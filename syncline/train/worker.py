@@ -19,8 +19,7 @@ from syncline.comm.topology import Topology
 from syncline.registry import import_plugins
 from syncline.train.common import rank_backend_and_device
 from syncline.train.config import TrainConfig
-from syncline.train.pipeline_trainer import train_pipeline
-from syncline.train.trainer import train
+from syncline.train.loop import train
 
 
 def run_rank(
@@ -37,17 +36,20 @@ def run_rank(
     (``ranks_per_node``: the node size a hierarchical allreduce uses; ``attempt``: the
     restart count), so :func:`syncline.testing.run_training` runs exactly this in-process.
     """
-    if cfg.pipelined:
-        summary = train_pipeline(
-            cfg, rank, world, device, attempt=attempt, ranks_per_node=ranks_per_node
+    allreduce: str | comm.Collective = "flat"
+    if cfg.allreduce != "flat" and not cfg.pipelined:  # a pipeline's replicas: their own
+        allreduce = build_allreduce(
+            cfg.allreduce, timeout_s=cfg.timeout_s, ranks_per_node=ranks_per_node
         )
-    else:
-        allreduce: str | comm.Collective = "flat"
-        if cfg.allreduce != "flat":
-            allreduce = build_allreduce(
-                cfg.allreduce, timeout_s=cfg.timeout_s, ranks_per_node=ranks_per_node
-            )
-        summary = train(cfg, rank, world, device, allreduce=allreduce, attempt=attempt)
+    summary = train(
+        cfg,
+        rank,
+        world,
+        device,
+        allreduce=allreduce,
+        ranks_per_node=ranks_per_node,
+        attempt=attempt,
+    )
     # Leave together: a rank that tears its process groups down while a peer is still
     # taking its last message (rank 0 gathers the stage weights and traces one rank at a
     # time) was seen to abort inside gloo at exit ("terminate called without an active

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import itertools
 
+from syncline.optim.registry import OPTIMIZERS
 from syncline.testing.matrix import Dimension, all_pairs, pairs_of, train_dimensions
-from syncline.train.config import OPTIMIZERS
 
 DIMS = [
     Dimension("opt", ("adamw", "sgd", "lamb")),
@@ -79,7 +79,7 @@ def test_the_train_dimensions_come_from_the_registries() -> None:
     from syncline.schedule.registry import SCHEDULES
 
     dims = {d.name: d.values for d in train_dimensions()}
-    assert dims["optimizer"] == tuple(OPTIMIZERS)
+    assert dims["optimizer"] == OPTIMIZERS.names()
     assert dims["compression"] == COMPRESSORS.names()
     assert dims["allreduce"] == ALLREDUCE.names()
     assert dims["layout"] == ("dp", *SCHEDULES.names(), "split")

@@ -22,9 +22,10 @@ from torch import nn
 
 from syncline.comm.sharded import load_sharded, read_index, save_sharded
 from syncline.errors import CheckpointError, ConfigError
+from syncline.optim.registry import OPTIMIZERS
 from syncline.train.checkpoint import load_checkpoint, save_checkpoint
 from syncline.train.common import make_optimizer
-from syncline.train.config import OPTIMIZERS, TrainConfig
+from syncline.train.config import TrainConfig
 from syncline.train.optim_state import (
     check_optimizer,
     dry_check,
@@ -77,7 +78,7 @@ def _registered(name: str) -> Callable[[Any], torch.optim.Optimizer]:
 
 
 MAKERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
-    **{name: _registered(name) for name in OPTIMIZERS},
+    **{name: _registered(name) for name in OPTIMIZERS.names()},
     "torch-lbfgs": lambda ps: torch.optim.LBFGS(ps, lr=0.1, max_iter=3, history_size=2),
     "torch-rprop": lambda ps: torch.optim.Rprop(ps, lr=0.01),
     "torch-asgd": lambda ps: torch.optim.ASGD(ps, lr=0.01),
@@ -208,7 +209,7 @@ def test_an_optimizer_that_cannot_be_checkpointed_is_refused_before_training(mon
     preflight refuses it with one line naming the option, before any process starts."""
     with pytest.raises(CheckpointError, match=r"state matrix/cache is .*_Opaque"):
         dry_check(lambda ps: _Hoarder(ps))
-    for name in OPTIMIZERS:  # every registered optimizer passes
+    for name in OPTIMIZERS.names():  # every registered optimizer passes
         dry_check(_registered(name))
     from syncline.train import common, preflight
 

@@ -1,0 +1,241 @@
+"""The one training loop of ``syncline train``, over a :class:`Runner` per layout.
+
+Data parallelism (:class:`~syncline.train.trainer.DataParallelRunner`) and pipelines
+(:class:`~syncline.train.pipeline_trainer.PipelineRunner`) differ in how a step runs, what
+a checkpoint holds and what the summary reports; the loop around them is the same: learning
+rate schedule, injected failures, validation, metrics and progress on rank 0, periodic
+checkpoints, then the final checkpoint and summary. It is written once, here, so a feature
+of the loop (a guard, a new metric) reaches both layouts.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from syncline.comm.collectives import Collective
+from syncline.comm.device import Stopwatch
+from syncline.dp.precision import LossScaler, scaler_summary
+from syncline.train.common import arm_failure, fail_if_injected, lr_at
+from syncline.train.config import TrainConfig
+from syncline.train.metrics import MetricsLog, summarize, timed_record
+from syncline.train.progress import Progress, human_bytes
+from syncline.train.sample import Sample, record_sample
+from syncline.train.snapshots import Snapshot, SnapshotStore
+from syncline.train.tensorboard_log import TensorBoardLog
+from syncline.train.validation import Validation
+
+__all__ = ["Outputs", "Runner", "common_summary", "train", "write_summary"]
+
+
+class Outputs:
+    """Rank 0's records of the run (``None`` on the other ranks): the metrics log, the
+    progress lines and the TensorBoard writer."""
+
+    def __init__(self, cfg: TrainConfig, rank: int, start: int, *, pipelined: bool) -> None:
+        run_dir = Path(cfg.run_dir)
+        first = rank == 0
+        self.log = MetricsLog(run_dir / "metrics.jsonl", resume_at=start) if first else None
+        self.progress = Progress(cfg.steps) if first else None
+        self.board = (
+            TensorBoardLog.open(run_dir, pipelined=pipelined) if first and cfg.tensorboard else None
+        )
+
+
+class Runner(Protocol):
+    """One layout's part of the loop; built, and resumed from a checkpoint, by its own
+    ``open`` (see the two implementations)."""
+
+    #: the modules a ``forward``-phase injected failure arms (per layer in a pipeline)
+    model: nn.Module
+    per_layer_failures: bool
+    device: torch.device
+    validation: Validation
+    tokens_per_sample: int
+    start: int
+
+    def step(self, step: int, lr: float) -> torch.Tensor:
+        """Train on batch ``step`` at learning rate ``lr``; the loss, on the device."""
+        ...
+
+    def validation_loss(self) -> float:
+        """The held-out loss, averaged over the ranks (every rank calls it)."""
+        ...
+
+    def record_fields(self, step: int, *, final: bool) -> dict[str, Any]:
+        """Extra fields of the metrics record at a logged ``step`` (every rank calls it:
+        a pipeline sums the bytes on the wire over the ranks); ``"progress_wire"`` is what
+        the progress line shows as bytes per step."""
+        ...
+
+    def capture(self, done: int) -> dict[str, torch.Tensor]:
+        """This rank's part of the checkpoint after ``done`` steps."""
+        ...
+
+    def finish(self, outputs: Outputs) -> dict[str, Any]:
+        """After the last step: the final checkpoint, plots and summary (complete on rank
+        0, ``{}`` elsewhere)."""
+        ...
+
+
+def announce_resume(rank: int, snap: Snapshot, start: int, exact: bool) -> None:
+    """Rank 0's line saying where the run continues from."""
+    if rank == 0:
+        how = "" if exact else ", resharded: fresh RNG and compressor state"
+        print(f"resumed from {snap.path} (step {start}{how})", flush=True)
+
+
+def train(
+    cfg: TrainConfig,
+    rank: int,
+    world: int,
+    device: torch.device,
+    *,
+    allreduce: str | Collective = "flat",
+    ranks_per_node: int | None = None,
+    attempt: int = 0,
+) -> dict[str, Any]:
+    """Train on this rank; returns the run summary (complete on rank 0).
+
+    ``allreduce`` (data parallelism) and ``ranks_per_node`` (a pipeline's replicas) come
+    from the launcher-facing caller. ``attempt``: torchrun's restart count; a restarted
+    attempt, like ``--resume``, continues from the newest checkpoint.
+    """
+    store = SnapshotStore(
+        Path(cfg.run_dir) / "checkpoints",
+        keep=cfg.keep_checkpoints,
+        timeout_s=cfg.timeout_s,
+        device=device,
+    )
+    snap = store.latest() if cfg.resume is not None or attempt > 0 else None
+    runner: Runner
+    if cfg.pipelined:
+        from syncline.train.pipeline_trainer import PipelineRunner
+
+        runner = PipelineRunner.open(cfg, rank, world, device, store, snap, ranks_per_node)
+    else:
+        from syncline.train.trainer import DataParallelRunner
+
+        runner = DataParallelRunner.open(cfg, rank, world, device, store, snap, allreduce)
+    outputs = Outputs(cfg, rank, runner.start, pipelined=cfg.pipelined)
+    _steps(cfg, rank, runner, store, outputs, attempt)
+    return runner.finish(outputs)
+
+
+def _steps(
+    cfg: TrainConfig,
+    rank: int,
+    runner: Runner,
+    store: SnapshotStore,
+    outputs: Outputs,
+    attempt: int,
+) -> None:
+    """The ``for step`` loop from ``runner.start`` to ``cfg.steps``."""
+    log, progress, board = outputs.log, outputs.progress, outputs.board
+    t_start = time.perf_counter()  # wall clock: the elapsed time and the ETA
+    watch = Stopwatch(runner.device)  # the step's time on its device
+    for step in range(runner.start, cfg.steps):
+        fail_if_injected(cfg, rank, step, attempt)
+        armed = arm_failure(
+            cfg, rank, step, attempt, runner.model, per_layer=runner.per_layer_failures
+        )
+        watch.start()
+        lr = lr_at(cfg, step)
+        loss = runner.step(step, lr)  # on the device: read only when logged
+        for handle in armed:
+            handle.remove()
+        watch.stop()
+        validated: dict[str, float] = {}
+        if runner.validation.due(step):  # every rank: the loss is averaged over them
+            validated = runner.validation.metrics(runner.validation_loss())
+        final = step == cfg.steps - 1
+        if step % cfg.log_every == 0 or final or validated:
+            fields = runner.record_fields(step, final=final)
+            wire = fields.pop("progress_wire", None)
+            if log is not None and progress is not None:
+                value = float(loss.item())
+                record = timed_record(
+                    step,
+                    value,
+                    lr,
+                    samples=cfg.batch_size,
+                    tokens_per_sample=runner.tokens_per_sample,
+                    step_s=watch.elapsed_s(),
+                    run_started=t_start,
+                    val_loss=validated.get("val_loss"),
+                    val_ppl=validated.get("val_ppl"),
+                    **fields,
+                )
+                log.append(record)
+                if board is not None:
+                    board.add(record)
+                progress.update(
+                    step,
+                    value,
+                    record.samples_per_s,
+                    record.tokens_per_s,
+                    wire,
+                    step_s=record.step_s,
+                )
+                if validated:
+                    progress.validation(step, validated)
+        done = step + 1
+        if cfg.checkpoint_due(done):
+            t_save = time.perf_counter()
+            path = store.save(
+                done,
+                runner.capture(done),
+                on_written=functools.partial(
+                    fail_if_injected, cfg, rank, step, attempt, "checkpoint"
+                ),
+            )
+            if progress is not None:  # rank 0
+                size = sum(f.stat().st_size for f in path.iterdir())
+                progress.note(
+                    f"checkpoint of step {done}: {human_bytes(size)} in "
+                    f"{time.perf_counter() - t_save:.2f}s -> {path}"
+                )
+
+
+def common_summary(
+    cfg: TrainConfig,
+    log: MetricsLog,
+    world: int,
+    model: nn.Module,
+    scaler: LossScaler | None,
+) -> dict[str, Any]:
+    """The summary fields every layout reports: the metrics' medians and the run's setup."""
+    summary = summarize(log.records)
+    summary.update(
+        model=cfg.model,
+        data=cfg.dataset,
+        optimizer=cfg.optimizer,
+        peak_lr=cfg.peak_lr,
+        precision=cfg.precision,
+        **scaler_summary(scaler),
+        world_size=world,
+        parameters=sum(p.numel() for p in model.parameters()),
+    )
+    return summary
+
+
+def write_summary(
+    cfg: TrainConfig,
+    summary: dict[str, Any],
+    sample: Sample | None,
+    board: TensorBoardLog | None,
+) -> str:
+    """Record the sample, write ``summary.json`` and close TensorBoard; the sample's text
+    for the closing lines (empty without one)."""
+    run_dir = Path(cfg.run_dir)
+    shown = record_sample(sample, run_dir, summary)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if board is not None:
+        board.close(summary, cfg.steps - 1)
+    return shown
