@@ -39,6 +39,14 @@ class CompressorSpec:
         options: ``key -> (keyword, type, METAVAR)`` of its ``key=value`` options.
         owns_momentum: applies momentum itself before sparsifying (CSC's momentum
             correction), so SGD must run without momentum beside it.
+        traffic: its bytes on the wire per bucket, for the planner (``"module:function"``
+            or a function, see :mod:`syncline.dp.traffic`); ``None``: the planner cannot
+            price it and says so.
+        state_buffers: gradient-sized fp32 buffers it keeps per parameter (CSC: the
+            momentum and the residual), for the planner's memory.
+        transient_bytes: bytes per element of the largest bucket it allocates while it
+            reduces it, for the planner's peak memory.
+        example: a spec of it that runs, for tests and docs (default: its name).
     """
 
     name: str
@@ -47,6 +55,10 @@ class CompressorSpec:
     argument: tuple[str, type, str] | None = None
     options: Mapping[str, tuple[str, type, str]] = field(default_factory=dict)
     owns_momentum: bool = False
+    traffic: str | Callable[..., Any] | None = None
+    state_buffers: int = 0
+    transient_bytes: float = 0.0
+    example: str | None = None
 
     @property
     def form(self) -> str:
@@ -134,11 +146,25 @@ def build_compressor(spec: str) -> Compressor:
 
 
 _C = "syncline.dp.compressors"
+_T = "syncline.dp.traffic"
 COMPRESSORS.register(
-    CompressorSpec("none", "lossless fp32 allreduce", "syncline.dp.compression:NoCompression")
+    CompressorSpec(
+        "none",
+        "lossless fp32 allreduce",
+        "syncline.dp.compression:NoCompression",
+        traffic=f"{_T}:dense",
+    )
 )
-COMPRESSORS.register(CompressorSpec("fp16", "fp16 on the wire", f"{_C}.halfwidth:FP16"))
-COMPRESSORS.register(CompressorSpec("bf16", "bf16 on the wire", f"{_C}.halfwidth:BF16"))
+for _half in ("fp16", "bf16"):
+    COMPRESSORS.register(
+        CompressorSpec(
+            _half,
+            f"{_half} on the wire",
+            f"{_C}.halfwidth:{_half.upper()}",
+            traffic=f"{_T}:halfwidth",
+            transient_bytes=2,
+        )
+    )
 COMPRESSORS.register(
     CompressorSpec(
         "csc",
@@ -152,6 +178,10 @@ COMPRESSORS.register(
             "ramp": ("ramp", str, "dense|exp"),
         },
         owns_momentum=True,
+        traffic=f"{_T}:csc",
+        state_buffers=2,
+        transient_bytes=4,  # a dense step's fp32 copy; chunk scores read |v| 4 MiB at a time
+        example="csc:0.01",
     )
 )
 COMPRESSORS.register(
@@ -160,6 +190,10 @@ COMPRESSORS.register(
         "element-wise top-k with error feedback, e.g. topk:0.01",
         f"{_C}.topk:TopK",
         argument=("ratio", float, "RATIO"),
+        traffic=f"{_T}:topk",
+        state_buffers=1,
+        transient_bytes=5,
+        example="topk:0.01",
     )
 )
 COMPRESSORS.register(
@@ -169,5 +203,9 @@ COMPRESSORS.register(
         f"{_C}.powersgd:PowerSGD",
         argument=("rank", int, "RANK"),
         options={"warmup": ("warmup_steps", int, "N")},
+        traffic=f"{_T}:powersgd",
+        state_buffers=1,
+        transient_bytes=2,
+        example="powersgd:4",
     )
 )

@@ -33,6 +33,8 @@ class OptimizerSpec:
             that applies momentum itself).
         adaptive: keeps a first moment of its own (Adam-like), so a compressor's momentum
             beside it would be momentum twice.
+        state_buffers: parameter-sized buffers of state it keeps (Adam: 2 moments; SGD:
+            the momentum, none when that moved into the compressor), for the planner.
     """
 
     name: str
@@ -40,6 +42,7 @@ class OptimizerSpec:
     factory: str | Callable[..., Any]
     takes_momentum: bool = False
     adaptive: bool = False
+    state_buffers: int = 0
 
 
 OPTIMIZERS: Registry[OptimizerSpec] = Registry("optimizer")
@@ -61,10 +64,18 @@ def build_optimizer(
 
 
 OPTIMIZERS.register(
-    OptimizerSpec("adamw", "Adam with decoupled weight decay", "torch.optim:AdamW", adaptive=True)
+    OptimizerSpec(
+        "adamw",
+        "Adam with decoupled weight decay",
+        "torch.optim:AdamW",
+        adaptive=True,
+        state_buffers=2,
+    )
 )
 OPTIMIZERS.register(
-    OptimizerSpec("sgd", "SGD with momentum", "torch.optim:SGD", takes_momentum=True)
+    OptimizerSpec(
+        "sgd", "SGD with momentum", "torch.optim:SGD", takes_momentum=True, state_buffers=1
+    )
 )
 OPTIMIZERS.register(
     OptimizerSpec(
@@ -72,6 +83,7 @@ OPTIMIZERS.register(
         "SGD with layer-wise trust ratios (You et al. 2017)",
         "syncline.optim.lars:Lars",
         takes_momentum=True,
+        state_buffers=1,
     )
 )
 OPTIMIZERS.register(
@@ -80,5 +92,6 @@ OPTIMIZERS.register(
         "Adam with layer-wise trust ratios (You et al. 2019)",
         "syncline.optim.lamb:Lamb",
         adaptive=True,
+        state_buffers=2,
     )
 )

@@ -11,18 +11,16 @@ docstring (``syncline.dp.compressors``); their compute is measured per byte.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from syncline.comm.topology import ring_allreduce_time
-from syncline.dp.registry import compressor_name, parse
+from syncline.dp.registry import COMPRESSORS, parse
 from syncline.errors import ConfigError
 from syncline.planner.hardware import Cluster, Link
+from syncline.registry import resolve
 
 __all__ = ["Phase", "allgather_s", "allreduce_s", "bucket_phases", "ring_allreduce_s"]
-
-_CSC_CHUNK = 32768
 
 
 @dataclass(frozen=True)
@@ -82,56 +80,29 @@ def allreduce_s(
     return intra + ring_allreduce_s(nbytes / k, nodes, inter, reduce_s_per_byte)
 
 
-def _near_square(n: int) -> tuple[int, int]:
-    rows = max(1, math.isqrt(n))
-    return rows, -(-n // rows)
-
-
 def bucket_phases(
     spec: str, numel: int, matrices: Sequence[tuple[int, int]] = (), value_bytes: int = 4
 ) -> list[Phase]:
     """The collectives one bucket of ``numel`` gradient elements costs under ``spec``, in
-    the steady state (after any dense warm-up).
+    the steady state (after any dense warm-up): the compressor's registered traffic model
+    (:mod:`syncline.dp.traffic`), so a plug-in's that gives one is priced like a built-in.
 
     ``matrices`` are the bucket's weight shapes (PowerSGD compresses those; the rest of the
     bucket goes dense), near-square when not given.
 
     Raises:
-        ConfigError: a spec the planner cannot price (a plug-in compressor), naming it.
+        ConfigError: a spec the planner cannot price (a compressor registered without a
+            traffic model), naming it.
     """
     entry, kwargs = parse(spec)
-    name = compressor_name(spec)
-    n = numel
-    if name == "none":
-        return [Phase("allreduce", value_bytes * n)]
-    if name in ("fp16", "bf16"):
-        return [Phase("allreduce", 2 * n)]
-    if name == "csc":
-        chunk = int(kwargs.get("chunk_elems", _CSC_CHUNK))
-        chunks = -(-n // chunk)
-        density = float(kwargs["density"])
-        if density >= 1.0:
-            return [Phase("allreduce", 4), Phase("allreduce", 2 * n)]
-        # the average step: density x the chunks (the fraction is carried between steps)
-        sent = min(n, density * chunks * chunk)
-        return [Phase("allreduce", 4 * (chunks + 1)), Phase("allreduce", 2 * sent)]
-    if name == "topk":
-        k = max(1, min(n, math.ceil(float(kwargs["ratio"]) * n)))
-        index = 4 if n < 2**31 else 8
-        return [Phase("allgather", 4 * k), Phase("allgather", index * k)]
-    if name == "powersgd":
-        rank = int(kwargs["rank"])
-        shapes = list(matrices) or [_near_square(n)]
-        low, dense = 0, n
-        for a, b in shapes:
-            if rank * (a + b) < a * b:
-                low += rank * (a + b)
-                dense -= a * b
-        return [Phase("allreduce", 4 * (max(dense, 0) + low / 2)), Phase("allreduce", 2 * low)]
-    raise ConfigError(
-        f"compression={spec!r}: the planner has no traffic model for {entry.name!r}; "
-        "valid: none, fp16, bf16, csc:D, topk:R, powersgd:R"
-    )
+    if entry.traffic is None:
+        priced = [c.name for c in COMPRESSORS if c.traffic is not None]
+        raise ConfigError(
+            f"compression={spec!r}: the planner has no traffic model for {entry.name!r} "
+            f"(its CompressorSpec gives no traffic=); valid: {', '.join(priced)}"
+        )
+    phases = resolve(entry.traffic)(numel, list(matrices), value_bytes, **kwargs)
+    return [Phase(kind, nbytes) for kind, nbytes in phases]
 
 
 def phases_s(

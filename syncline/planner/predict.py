@@ -29,8 +29,9 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from syncline.dp.registry import compressor_name
+from syncline.dp.registry import COMPRESSORS, compressor_name
 from syncline.errors import ConfigError
+from syncline.optim.registry import OPTIMIZERS
 from syncline.partition import balance as balance_layers
 from syncline.partition import check_balance, stage_bounds
 from syncline.planner.collectives import bucket_phases, phases_s
@@ -44,15 +45,6 @@ from syncline.schedule.registry import build_plan
 __all__ = ["Configuration", "Prediction", "predict"]
 
 MiB = 2**20
-#: optimizer state values kept per parameter
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "lamb": 2, "sgd": 1, "lars": 1}
-#: per-parameter state a compressor keeps, in gradient-sized buffers (CSC: u and v)
-COMPRESSOR_STATES = {"none": 0, "fp16": 0, "bf16": 0, "csc": 2, "topk": 1, "powersgd": 1}
-#: bytes per element of the largest bucket a compressor allocates while it reduces it,
-#: freed afterwards: TopK's ``|a|`` (4) and its candidate mask (1); CSC's fp32 payload of a
-#: dense step (4; its chunk scores read ``|v|`` only 4 MiB at a time); fp16/bf16 and
-#: PowerSGD's payloads are counted in their wire buffers (2)
-COMPRESSOR_TRANSIENT = {"topk": 5, "csc": 4, "fp16": 2, "bf16": 2, "powersgd": 2}
 
 
 @dataclass(frozen=True)
@@ -86,8 +78,7 @@ class Configuration:
                 )
         elif self.batch_size % self.ranks:
             raise ConfigError(f"batch_size={self.batch_size} is not a multiple of {self.ranks}")
-        if self.optimizer not in OPTIMIZER_STATES:
-            raise ConfigError(f"optimizer={self.optimizer!r}; valid: {', '.join(OPTIMIZER_STATES)}")
+        OPTIMIZERS.get(self.optimizer)  # an unknown one: named, with the registered ones
 
     @property
     def width(self) -> int:
@@ -155,6 +146,8 @@ class Prediction:
         fits: whether every rank fits in the cluster's memory.
         bottleneck: what the step spends most of its time on (``memory`` when it does not fit).
         breakdown: seconds per part (compute, bubble, allreduce, messages, update, overhead).
+        gradient_wire_bytes: bytes one rank puts into its gradient collectives per step,
+            from the compressor's traffic model (a pipeline: its busiest stage's REDUCE).
     """
 
     config: Configuration
@@ -165,21 +158,32 @@ class Prediction:
     fits: bool
     bottleneck: str
     breakdown: dict[str, float] = field(default_factory=dict)
+    gradient_wire_bytes: float = 0.0
 
 
 def _optimizer_states(config: Configuration) -> int:
-    states = OPTIMIZER_STATES[config.optimizer]
-    name = compressor_name(config.compression)
-    if config.optimizer == "sgd" and name == "csc":
-        return 0  # CSC carries the momentum itself; SGD runs without
-    return states
+    spec = OPTIMIZERS.get(config.optimizer)
+    if spec.takes_momentum and COMPRESSORS.get(compressor_name(config.compression)).owns_momentum:
+        return max(0, spec.state_buffers - 1)  # the compressor carries the momentum
+    return spec.state_buffers
+
+
+def _compressor_states(name: str) -> int:
+    """Gradient-sized buffers the compressor keeps per parameter."""
+    return COMPRESSORS.get(name).state_buffers
+
+
+def _transient(name: str) -> float:
+    """Bytes per element of the largest bucket the compressor allocates while reducing
+    it, freed afterwards."""
+    return COMPRESSORS.get(name).transient_bytes
 
 
 def _state_bytes(params: int, costs: ModelCosts, config: Configuration, versions: int) -> float:
     """Weights (times versions), gradients, optimizer state and compressor state."""
     per = costs.param_bytes
     compressor = compressor_name(config.compression) if config.width > 1 else "none"
-    states = _optimizer_states(config) + COMPRESSOR_STATES.get(compressor, 0)
+    states = _optimizer_states(config) + _compressor_states(compressor)
     return params * (per * versions + per + 4 * states)
 
 
@@ -190,6 +194,7 @@ def _finish(
     step_s: float,
     per_rank: Sequence[float],
     breakdown: dict[str, float],
+    wire: float = 0.0,
 ) -> Prediction:
     workspace = costs.workspace.at(config.microbatch_size)
     per_rank_bytes = tuple(int(cluster.base_memory + workspace + b) for b in per_rank)
@@ -206,6 +211,7 @@ def _finish(
         fits=fits,
         bottleneck=bottleneck,
         breakdown=breakdown,
+        gradient_wire_bytes=wire,
     )
 
 
@@ -256,6 +262,12 @@ def predict_data_parallel(costs: ModelCosts, cluster: Cluster, config: Configura
             total += span
         return t, end, inside
 
+    wire = 0.0
+    if config.ranks > 1:
+        for numel, members in _buckets(costs, config):
+            matrices = [m for i in members for m in costs.layers[i].matrices]
+            phases = bucket_phases(config.compression, numel, matrices, costs.param_bytes)
+            wire += sum(p.nbytes for p in phases)
     bwd_end, comm_end, inside = chain(0.0)
     if cluster.overlap_slowdown and config.ranks > 1 and backward > 0:
         slowdown = cluster.overlap_slowdown * inside / backward
@@ -267,7 +279,7 @@ def predict_data_parallel(costs: ModelCosts, cluster: Cluster, config: Configura
     activations = sum(layer.activation_bytes for layer in costs.layers) * b
     largest = max((numel for numel, _ in _buckets(costs, config)), default=0)
     compressor = compressor_name(config.compression) if config.ranks > 1 else "none"
-    transient = COMPRESSOR_TRANSIENT.get(compressor, 0) * largest
+    transient = _transient(compressor) * largest
     memory = (
         _state_bytes(costs.params, costs, config, 1)
         + activations
@@ -281,7 +293,7 @@ def predict_data_parallel(costs: ModelCosts, cluster: Cluster, config: Configura
         "update": update,
         "overhead": overhead,
     }
-    return _finish(config, costs, cluster, step, [memory], breakdown)
+    return _finish(config, costs, cluster, step, [memory], breakdown, wire)
 
 
 def _stage_layers(costs: ModelCosts, config: Configuration, stages: int) -> list[list[int]]:
@@ -455,7 +467,7 @@ def predict_pipeline(costs: ModelCosts, cluster: Cluster, config: Configuration)
             total += _state_bytes(st.params[s], costs, config, versions)
             if config.width > 1:  # the REDUCE compresses the stage's gradient in one buffer
                 name = compressor_name(config.compression)
-                total += COMPRESSOR_TRANSIENT.get(name, 0) * st.params[s]
+                total += _transient(name) * st.params[s]
         per_rank.append(total)
     hops = [link_of(s, s + 1).time(st.out_bytes[s]) for s in range(n - 1)]
     messages = 2 * m * max(hops, default=0.0)
@@ -468,7 +480,17 @@ def predict_pipeline(costs: ModelCosts, cluster: Cluster, config: Configuration)
         "messages": messages,
         "overhead": cluster.step_overhead_s,
     }
-    return _finish(config, costs, cluster, span + cluster.step_overhead_s, per_rank, breakdown)
+    wire = 0.0
+    if w > 1:
+        wire = max(
+            sum(
+                p.nbytes
+                for p in bucket_phases(config.compression, st.params[s], (), costs.param_bytes)
+            )
+            for s in range(n)
+        )
+    step_s = span + cluster.step_overhead_s
+    return _finish(config, costs, cluster, step_s, per_rank, breakdown, wire)
 
 
 def predict(costs: ModelCosts, cluster: Cluster, config: Configuration) -> Prediction:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from syncline.dp.registry import COMPRESSORS, compressor_name
 from syncline.errors import ConfigError
@@ -28,9 +28,15 @@ from syncline.planner.predict import Configuration, Prediction, predict
 from syncline.schedule import SCHEDULES
 from syncline.schedule.registry import check_microbatches
 
-__all__ = ["SearchSpace", "candidates", "search"]
+__all__ = ["SearchSpace", "candidates", "default_compressions", "search"]
 
-DEFAULT_COMPRESSIONS = ("none", "fp16", "csc:0.01", "topk:0.01", "powersgd:4")
+
+def default_compressions() -> tuple[str, ...]:
+    """A spec of every registered compressor the planner can price (a traffic model in its
+    registry entry): its ``example``, or its name; a plug-in's is searched like a built-in."""
+    return tuple(c.example or c.name for c in COMPRESSORS if c.traffic is not None)
+
+
 EXACT_COMPRESSIONS = ("none", "fp16", "bf16")
 LOSSY_MARGIN = 0.05
 TIE = 0.005
@@ -42,7 +48,7 @@ class SearchSpace:
 
     ranks: int
     batch_size: int
-    compressions: tuple[str, ...] = DEFAULT_COMPRESSIONS
+    compressions: tuple[str, ...] = field(default_factory=default_compressions)
     """Compressors for data parallelism (and pipelines with replicas)."""
     schedules: tuple[str, ...] = ("gpipe", "1f1b", "2bw", "interleaved")
     max_microbatches: int = 64
@@ -156,6 +162,7 @@ def to_json(predictions: Sequence[Prediction], cluster: Cluster, model_args: Seq
                 "predicted_samples_per_s": p.samples_per_s,
                 "predicted_peak_bytes": p.peak_bytes,
                 "predicted_bytes_per_rank": list(p.bytes_per_rank),
+                "predicted_gradient_wire_bytes": p.gradient_wire_bytes,
                 "fits": p.fits,
                 "bottleneck": p.bottleneck,
                 "breakdown_s": p.breakdown,
@@ -187,13 +194,14 @@ def table(predictions: Sequence[Prediction], top: int) -> str:
     width = max([len("configuration"), *(len(p.config.describe()) for p in shown)])
     head = (
         f"{'#':>3}  {'configuration':<{width}} {'step':>10} {'samples/s':>11} {'peak/rank':>11}"
-        "  fits  bottleneck"
+        f" {'grad wire':>11}  fits  bottleneck"
     )
     lines = [head, "-" * len(head)]
     for i, p in enumerate(shown, 1):
         step = f"{p.step_s * 1e3:.1f} ms" if p.step_s < 10 else f"{p.step_s:.2f} s"
         lines.append(
             f"{i:>3}  {p.config.describe():<{width}} {step:>10} {p.samples_per_s:>11.1f} "
-            f"{_human(p.peak_bytes):>11}  {'yes' if p.fits else 'NO ':<4}  {p.bottleneck}"
+            f"{_human(p.peak_bytes):>11} {_human(p.gradient_wire_bytes):>11}  "
+            f"{'yes' if p.fits else 'NO ':<4}  {p.bottleneck}"
         )
     return "\n".join(lines)

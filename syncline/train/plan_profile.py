@@ -58,7 +58,7 @@ from syncline.dp.config import DataParallelConfig
 from syncline.pipeline.profile import profile_layers
 from syncline.planner.costs import Affine, LayerCost, ModelCosts
 from syncline.planner.hardware import Cluster, Link
-from syncline.planner.search import DEFAULT_COMPRESSIONS
+from syncline.planner.search import default_compressions
 from syncline.train.common import (
     build_dataset,
     build_model_for,
@@ -187,7 +187,7 @@ def _compressor_costs(model: nn.Module, solo: FlatAllreduce) -> dict[str, float]
     device = params[0].device
     flat = torch.randn(total, generator=torch.Generator().manual_seed(0)).to(device)
     out = {}
-    for spec in DEFAULT_COMPRESSIONS:
+    for spec in default_compressions():
         name = spec.split(":")[0]
         comp = build_compressor(spec)
         step = [0]

@@ -41,6 +41,12 @@ class ToyMean:
         del state
 
 
+def toymean_traffic(numel: int, matrices: Any, value_bytes: int, **_: Any) -> list:
+    """ToyMean's traffic model, for the planner: the bucket as it is, in one allreduce."""
+    del matrices
+    return [("allreduce", value_bytes * numel)]
+
+
 def lifo(d: int, m: int, chunks: int, recompute: bool) -> Schedule:
     """GPipe's forwards, then the backwards in reverse micro-batch order (last in, first out)."""
     del chunks
@@ -102,7 +108,10 @@ ENTRIES = [
 
 def register() -> None:
     """Add the plug-in's entries (again: an existing entry of the same name is replaced)."""
-    COMPRESSORS.register(CompressorSpec("toymean", "the toy plug-in's mean", ToyMean), replace=True)
+    COMPRESSORS.register(
+        CompressorSpec("toymean", "the toy plug-in's mean", ToyMean, traffic=toymean_traffic),
+        replace=True,
+    )
     SCHEDULES.register(ScheduleSpec("toy-lifo", "backwards last in, first out", lifo), replace=True)
     DATASETS.register(DatasetSpec("toy-blobs", "Gaussian blobs", blobs), replace=True)
     MODELS.register(
