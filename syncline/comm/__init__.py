@@ -20,6 +20,7 @@ if TYPE_CHECKING:
         broadcast_tensors_async,
         completed,
         gather_objects,
+        open_lane,
         with_lane,
     )
     from syncline.comm.groups import (
@@ -62,6 +63,7 @@ _EXPORTS = {
             "broadcast_tensors_async",
             "completed",
             "gather_objects",
+            "open_lane",
             "with_lane",
         ],
         "syncline.comm.collectives",
@@ -132,6 +134,7 @@ __all__ = [
     "init_with_file_store",
     "is_initialized",
     "is_member",
+    "open_lane",
     "pipeline_grid",
     "ring_allreduce_time",
     "with_lane",

@@ -506,15 +506,29 @@ def with_lane(flat: FlatAllreduce) -> FlatAllreduce:
     engines' second collectives in an order set by timing, which can differ across ranks.
     The price is one gloo group per engine that asks for a lane.
     """
+    if not _lane_possible(flat):
+        return flat
+    laned = FlatAllreduce(flat._group, timeout_s=flat.timeout_s)
+    open_lane(laned)
+    return laned
+
+
+def _lane_possible(flat: FlatAllreduce) -> bool:
     group = flat._group
     if flat.lane is not None or flat.world_size == 1:
-        return flat
-    if group not in (None, dist.GroupMember.WORLD) or not _groups.is_gloo(group):
-        return flat
-    timeout = datetime.timedelta(seconds=flat.timeout_s)
-    lane_group = dist.new_group(list(range(dist.get_world_size())), timeout=timeout)
-    lane = FlatAllreduce(lane_group, timeout_s=flat.timeout_s)
-    return FlatAllreduce(group, timeout_s=flat.timeout_s, lane=lane)
+        return False
+    return group in (None, dist.GroupMember.WORLD) and _groups.is_gloo(group)
+
+
+def open_lane(flat: FlatAllreduce) -> None:
+    """Give ``flat`` its lane in place, where :func:`with_lane` would make one (else
+    nothing): a collective call, made by :class:`~syncline.dp.DataParallel` at its first
+    training forward, a point every rank reaches, rather than in its constructor (which
+    then makes no process group of its own)."""
+    if _lane_possible(flat):
+        timeout = datetime.timedelta(seconds=flat.timeout_s)
+        lane_group = dist.new_group(list(range(dist.get_world_size())), timeout=timeout)
+        flat.lane = FlatAllreduce(lane_group, timeout_s=flat.timeout_s)
 
 
 def build_flat(group: Group, timeout_s: float, ranks_per_node: int | None) -> FlatAllreduce:

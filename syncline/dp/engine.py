@@ -204,8 +204,11 @@ class DataParallel(nn.Module):
         self.module = module
         self.process_group = process_group
         self._comm = _resolve_collective(allreduce, process_group, timeout_s)
-        if getattr(self._compressor, "wants_lane", False):  # see FlatAllreduce.lane
-            self._comm = _with_lane(self._comm)
+        # the lane (see FlatAllreduce.lane) is a process group: made at the first training
+        # forward, every rank's, not here
+        self._lane_due = getattr(self._compressor, "wants_lane", False) and isinstance(
+            self._comm, comm.FlatAllreduce
+        )
         if init_sync:  # first, so that a rank without trainable parameters fails on every rank
             check_same_on_all_ranks(
                 module, self._ignored, init_sync_buffers, process_group, timeout_s
@@ -299,6 +302,9 @@ class DataParallel(nn.Module):
         self._sync_buffers_next = training
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)
+        if self._lane_due:
+            self._lane_due = False
+            comm.open_lane(self._comm)
         self._st.sync_this_backward = self._sync_enabled
         self._buf.attach_grads(lazy=True)
         out = self.module(*args, **kwargs)
@@ -539,11 +545,6 @@ def _remove_handles(handles: list[Any]) -> None:
     for h in handles:
         h.remove()
     handles.clear()
-
-
-def _with_lane(collective: Any) -> Any:
-    """A flat collective with a second lane where one can be made (a collective call)."""
-    return comm.with_lane(collective) if isinstance(collective, comm.FlatAllreduce) else collective
 
 
 def _resolve_collective(allreduce: str | Collective, group: comm.Group, timeout_s: float) -> Any:

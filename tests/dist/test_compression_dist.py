@@ -422,15 +422,17 @@ def _two_engines_rank(rank: int, world: int) -> dict:
             caps = {"bucket_cap_mb": 0.0002, "first_bucket_cap_mb": 0.0002}
             engines.append(DataParallel(part, compression=comp, **caps))
         a, b = engines
-        assert (a._comm.lane is not None, b._comm.lane is not None) == (laned, laned)
+        assert a._comm.lane is None and b._comm.lane is None  # no group made in a constructor
         assert len(a.bucket_plan.buckets) > 1 and len(b.bucket_plan.buckets) > 1
         params = [*a.parameters(), *b.parameters()]
         opt = torch.optim.SGD(params, lr=0.05)
         gen = torch.Generator().manual_seed(100 + rank)
-        for _ in range(STEPS + 2):
+        for step in range(STEPS + 2):
             x, y = torch.randn(8, 12, generator=gen), torch.randn(8, 4, generator=gen)
             opt.zero_grad(set_to_none=True)
             F.mse_loss(b(a(x)), y).backward()
+            if step == 0:  # each engine's first training forward made its lane
+                assert (a._comm.lane is not None, b._comm.lane is not None) == (laned, laned)
             opt.step()
         out[laned] = [p.detach().clone() for p in params]
     return out
