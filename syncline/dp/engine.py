@@ -42,9 +42,16 @@ from syncline.dp.autotune import BucketTuning
 from syncline.dp.buckets import BucketPlan
 from syncline.dp.compression import Compressor, NoCompression
 from syncline.dp.config import DataParallelConfig
-from syncline.dp.layout import GradBuffer
+from syncline.dp.ddp_surface import (
+    ddp_attribute_names,
+    own_attribute,
+    refusal,
+    refuse_unsupported,
+)
+from syncline.dp.layout import GradBuffer, trainable_parameters
 from syncline.dp.placement import moved_to, placement
 from syncline.dp.reducer import Reducer, StepState, StepStats
+from syncline.dp.tuning import autotune_choice
 from syncline.dp.verify import check_same_on_all_ranks
 from syncline.errors import ConfigError
 
@@ -163,7 +170,7 @@ class DataParallel(nn.Module):
     ) -> None:
         super().__init__()
         del dim, check_reduction, static_graph, batched_grad_copy
-        _refuse_unsupported(
+        refuse_unsupported(
             delay_all_reduce_named_params=delay_all_reduce_named_params,
             param_to_hook_all_reduce=param_to_hook_all_reduce,
             mixed_precision=mixed_precision,
@@ -182,7 +189,7 @@ class DataParallel(nn.Module):
         else:
             sync_buffers = init_sync_buffers = broadcast_buffers is not False
         self._compressor: Compressor = compression or NoCompression()
-        autotune_buckets = _autotune_choice(
+        autotune_buckets = autotune_choice(
             self._compressor,
             autotune_buckets,
             bucket_cap_mb is None and first_bucket_cap_mb is None,
@@ -213,7 +220,7 @@ class DataParallel(nn.Module):
             check_same_on_all_ranks(
                 module, self._ignored, init_sync_buffers, process_group, timeout_s
             )
-        names, params, sparse = _trainable(module, self._ignored)
+        names, params, sparse = trainable_parameters(module, self._ignored)
 
         if init_sync:  # the same starting point on every rank (the one side effect we must have)
             comm.broadcast_tensors(
@@ -351,6 +358,39 @@ class DataParallel(nn.Module):
     def _buffers_to_sync(self) -> list[torch.Tensor]:
         return [b for n, b in self.module.named_buffers() if n not in self._ignored]
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's flag, which scripts set instead of :meth:`no_sync` to accumulate: False
+        makes the backwards of the forwards run from now on reduce nothing."""
+        return bool(self._sync_enabled)
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._sync_enabled = bool(value)
+
+    @property
+    def require_forward_param_sync(self) -> bool:
+        """DDP's flag: whether the next forward broadcasts rank 0's buffers first."""
+        return bool(self._sync_buffers_next)
+
+    @require_forward_param_sync.setter
+    def require_forward_param_sync(self, value: bool) -> None:
+        self._sync_buffers_next = bool(value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # a DDP setting DataParallel does not implement must not land unread in __dict__
+        if name in ddp_attribute_names() and not own_attribute(self, name):
+            raise AttributeError(refusal(name))
+        super().__setattr__(name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in ddp_attribute_names():
+                raise AttributeError(refusal(name)) from None
+            raise
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally (no communication) for forwards run inside."""
@@ -464,53 +504,6 @@ class DataParallel(nn.Module):
         )
 
 
-def _autotune_choice(compressor: Compressor, requested: bool | None, no_cap_given: bool) -> bool:
-    """Whether to tune the buckets: as ``requested``, or by default unless the user chose the
-    sizes; only a compressor without per-bucket state may have its buckets re-cut."""
-    stateless = getattr(compressor, "stateless", None)
-    if not isinstance(stateless, bool):
-        raise ConfigError(
-            f"compression={compressor!r} does not declare 'stateless' (True or "
-            "False: whether it keeps per-bucket state); see syncline.dp.Compressor"
-        )
-    if requested is None:  # tune unless the user chose the sizes
-        return no_cap_given and stateless
-    if requested and not stateless:
-        raise ConfigError(
-            f"autotune_buckets=True needs a stateless compressor (none, fp16, bf16); "
-            f"{compressor.name!r} keeps per-bucket state, so its buckets must not "
-            "change: pass bucket_cap_mb instead"
-        )
-    return requested
-
-
-def _trainable(
-    module: nn.Module, ignored: frozenset[str]
-) -> tuple[list[str], list[torch.Tensor], list[tuple[str, torch.Tensor]]]:
-    """``module``'s trainable parameters not ignored: the dense ones' names and tensors, and
-    the names and tensors of those with sparse gradients (of an ``nn.Embedding`` or
-    ``nn.EmbeddingBag`` with ``sparse=True``, as DDP decides). At least one in all."""
-    names, params, sparse, seen = [], [], [], set()
-    for prefix, sub in module.named_modules():
-        is_sparse = isinstance(sub, nn.Embedding | nn.EmbeddingBag) and sub.sparse
-        for short, p in sub.named_parameters(recurse=False):
-            name = f"{prefix}.{short}" if prefix else short
-            if not p.requires_grad or name in ignored or id(p) in seen:
-                continue
-            seen.add(id(p))
-            if is_sparse:
-                sparse.append((name, p))
-            else:
-                names.append(name)
-                params.append(p)
-    if not params and not sparse:
-        raise ConfigError(
-            "DataParallel: the module has no parameter with requires_grad=True (not counting "
-            "those in _ddp_params_and_buffers_to_ignore)"
-        )
-    return names, params, sparse
-
-
 def _hook_outputs(out: Any, hook: Any) -> int:
     """Put ``hook`` on every tensor of ``out`` that backward can pass through; how many."""
     if isinstance(out, torch.Tensor):
@@ -524,20 +517,6 @@ def _hook_outputs(out: Any, hook: Any) -> int:
             t.register_hook(hook)
             hooked += 1
     return hooked
-
-
-_UNSUPPORTED = (
-    "DataParallel does not support {name}={value!r} (a DistributedDataParallel option); "
-    "leave it at its default ({default})"
-)
-
-
-def _refuse_unsupported(**given: Any) -> None:
-    """DDP options with no DataParallel equivalent: refused, never silently ignored."""
-    for name, value in given.items():
-        if value is not None:
-            default = "False" if name == "skip_all_reduce_unused_params" else "None"
-            raise ConfigError(_UNSUPPORTED.format(name=name, value=value, default=default))
 
 
 def _remove_handles(handles: list[Any]) -> None:

@@ -12,9 +12,11 @@ the gradients already there.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from syncline.dp.buckets import BucketPlan, plan_buckets
 from syncline.dp.compression import Layout
+from syncline.errors import ConfigError
 
 __all__ = ["GradBuffer"]
 
@@ -179,3 +181,30 @@ class GradBuffer:
             torch._foreach_copy_(dst, src)
             if self.keep_spent:
                 self.spent.extend(src)
+
+
+def trainable_parameters(
+    module: nn.Module, ignored: frozenset[str]
+) -> tuple[list[str], list[torch.Tensor], list[tuple[str, torch.Tensor]]]:
+    """``module``'s trainable parameters not ignored: the dense ones' names and tensors, and
+    the names and tensors of those with sparse gradients (of an ``nn.Embedding`` or
+    ``nn.EmbeddingBag`` with ``sparse=True``, as DDP decides). At least one in all."""
+    names, params, sparse, seen = [], [], [], set()
+    for prefix, sub in module.named_modules():
+        is_sparse = isinstance(sub, nn.Embedding | nn.EmbeddingBag) and sub.sparse
+        for short, p in sub.named_parameters(recurse=False):
+            name = f"{prefix}.{short}" if prefix else short
+            if not p.requires_grad or name in ignored or id(p) in seen:
+                continue
+            seen.add(id(p))
+            if is_sparse:
+                sparse.append((name, p))
+            else:
+                names.append(name)
+                params.append(p)
+    if not params and not sparse:
+        raise ConfigError(
+            "DataParallel: the module has no parameter with requires_grad=True (not counting "
+            "those in _ddp_params_and_buffers_to_ignore)"
+        )
+    return names, params, sparse

@@ -27,8 +27,12 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from syncline.errors import ConfigError
+
+if TYPE_CHECKING:
+    from syncline.dp.compression import Compressor
 
 MIB = 2**20
 
@@ -185,3 +189,23 @@ def _medians(seconds: Sequence[Sequence[float]], among: Sequence[int]) -> dict[i
             f"{[len(s) for s in seconds]} samples"
         )
     return {k: statistics.median(seconds[k]) for k in among}
+
+
+def autotune_choice(compressor: Compressor, requested: bool | None, no_cap_given: bool) -> bool:
+    """Whether to tune the buckets: as ``requested``, or by default unless the user chose the
+    sizes; only a compressor without per-bucket state may have its buckets re-cut."""
+    stateless = getattr(compressor, "stateless", None)
+    if not isinstance(stateless, bool):
+        raise ConfigError(
+            f"compression={compressor!r} does not declare 'stateless' (True or "
+            "False: whether it keeps per-bucket state); see syncline.dp.Compressor"
+        )
+    if requested is None:  # tune unless the user chose the sizes
+        return no_cap_given and stateless
+    if requested and not stateless:
+        raise ConfigError(
+            f"autotune_buckets=True needs a stateless compressor (none, fp16, bf16); "
+            f"{compressor.name!r} keeps per-bucket state, so its buckets must not "
+            "change: pass bucket_cap_mb instead"
+        )
+    return requested
