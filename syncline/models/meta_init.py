@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -49,12 +49,23 @@ def layer_seed(seed: int, index: int) -> int:
     return (seed * _MIX + (index + 1) * 0xBF58476D1CE4E5B9) % (2**63 - 1)
 
 
+def own_reset(module: nn.Module) -> Callable[[], None] | None:
+    """The module's own initialisation: ``reset_parameters()``, or ``_reset_parameters()``
+    for the torch modules that name it so (``nn.MultiheadAttention``, and through it
+    ``nn.TransformerEncoderLayer`` and ``nn.Transformer``); ``None`` without one."""
+    for name in ("reset_parameters", "_reset_parameters"):
+        reset = getattr(module, name, None)
+        if callable(reset):
+            return cast(Callable[[], None], reset)
+    return None
+
+
 def reset_parameters(index: int, layer: nn.Module) -> None:
-    """The default initialiser: ``reset_parameters()`` of every submodule that has one."""
+    """The default initialiser: each submodule's own initialisation (:func:`own_reset`)."""
     del index
     for module in layer.modules():
-        reset = getattr(module, "reset_parameters", None)
-        if callable(reset):
+        reset = own_reset(module)
+        if reset is not None:
             reset()
 
 

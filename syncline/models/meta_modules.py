@@ -14,7 +14,8 @@ ancestors up to the model itself (nearest first), each time with only the owner'
 real (the rest of the model stays on the meta device, where writes do nothing). A parent's
 rule over its children's weights therefore applies, as ``model.apply(model._init_weights)``
 would apply it: GPT-2's scaled residual projections are drawn by its attention and MLP
-modules. Without one, the owner's own ``reset_parameters()`` runs (torch's layers); a tensor
+modules. Without one, the owner's own initialisation runs (``reset_parameters()``, or
+``_reset_parameters()`` as ``nn.MultiheadAttention`` names it: torch's layers); a tensor
 left unset (NaN-filled first) is refused, naming it.
 
 Tied weights (GPT-2's embedding and head) are one tensor under several names: it is
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 
 from syncline.errors import ConfigError
-from syncline.models.meta_init import cpu_seeded, layer_seed
+from syncline.models.meta_init import cpu_seeded, layer_seed, own_reset
 
 __all__ = ["ModuleInit", "materialize_modules", "materialize_named", "module_seed"]
 
@@ -78,8 +79,8 @@ def _initialised(
         chain.append((parent_name, parent))
     with cpu_seeded(module_seed(seed, name)), torch.no_grad():
         if init is None:
-            reset = getattr(twin, "reset_parameters", None)
-            if callable(reset):
+            reset = own_reset(twin)
+            if reset is not None:
                 reset()
         else:
             for chain_name, module in chain:
