@@ -1,14 +1,18 @@
-"""Every ``syncline ...`` command line in README.md runs (issue 39): a documented command
+"""Every ``syncline ...`` command line in README.md and docs/*.md runs: a documented command
 cannot crash.
 
-The README's fenced code blocks are parsed at import; every command line in them (``syncline
-...``, ``sudo syncline ...``, ``bash scripts/train.sh ...``; in a block with ``$ `` prompts only
-the prompted lines) is run through the real command line, block by block in one directory so
-that a block's later commands see its earlier runs (``--resume runs/a``, ``syncline report
-runs/dp runs/pp``). Each is shrunk to a tiny model and a few steps by :func:`shrink`; what
-cannot run as written on one machine is rewritten in ``ADAPTED`` (the rewrite is the
-documented adaptation) or listed in ``NOT_RUN`` with the reason. A new README command runs
-through the generic shrinking, so it fails this test until it works or is handled here.
+The pages' fenced code blocks are parsed at import (README.md first, then docs/ in name order,
+through :func:`tests.unit.test_docs.code_blocks`); every command line in them (``syncline
+...``, ``sudo syncline ...``, ``bash scripts/train.sh ...``; in a block with ``$ `` prompts
+only the prompted lines) is run through the real command line, block by block in one
+directory so that a block's later commands see its earlier runs (``--resume runs/a``,
+``syncline report runs/dp runs/pp``). Each is shrunk to a tiny model and a few steps by
+:func:`shrink`; what cannot run as written on one machine is rewritten in ``ADAPTED`` (the
+rewrite is the documented adaptation) or listed in ``NOT_RUN`` with the reason. A command an
+earlier block already ran (as run) is not run again, unless it expects an exit code of its own
+or a later command of its block reads its run (the README's overview repeats commands that
+docs/ explain). A new command runs through the generic shrinking, so it fails this test until
+it works or is handled here.
 """
 
 from __future__ import annotations
@@ -22,16 +26,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.test_docs import PAGES, README, REPO, code_blocks
 from tests.zoo.cli import syncline
 
-REPO = Path(__file__).resolve().parents[2]
-README = REPO / "README.md"
+pytestmark = pytest.mark.slow
 
 _CRASHED_A = (
     "syncline train --steps 1000 --checkpoint-every 100 --run-dir runs/a --inject-failure 1:3"
 )
 
-# command as written in README -> the command(s) run instead, and why
+# command as written in the docs -> the command(s) run instead, and why
 ADAPTED: dict[str, tuple[list[str], str]] = {
     "bash scripts/train.sh": (
         ["syncline train"],
@@ -54,62 +58,90 @@ ADAPTED: dict[str, tuple[list[str], str]] = {
 }
 EXPECTED_EXIT = {_CRASHED_A: 1}
 
-# command as written in README -> why it is not run (keep minimal; the reason must be real)
+# command as written in the docs -> why it is not run (keep minimal; the reason must be real)
 NOT_RUN: dict[str, str] = {}
 
-# README commands that syncline refuses as written (exit 2 before any process starts): run,
-# and the refusal pinned, so fixing the README (or the refusal) makes this table stale and fails
-#: README commands refused as written (each pinned to its refusal until the README is fixed)
+# documented commands that syncline refuses as written (exit 2 before any process starts):
+# run, and the refusal pinned, so fixing the docs (or the refusal) makes this table stale
+#: documented commands refused as written (each pinned to its refusal until the docs are fixed)
 README_BUGS: dict[str, str] = {}
 
 FACTORY_OPTIONS = ["--model-option", "n_layer=3", "--model-option", "n_embd=32"]
 
 
-def readme_blocks() -> list[list[tuple[str, str | None]]]:
-    """The README's fenced blocks holding commands: (command, documented error line or None).
+#: a block of commands: where its fence is (``page:line``), and its (command, error) pairs
+CommandBlock = tuple[str, list[tuple[str, str | None]]]
+
+
+def commands_of(code: str) -> list[tuple[str, str | None]]:
+    """A block's command lines: (command, documented error line or None).
 
     Backslash-continued lines are joined; a trailing ``# comment`` is dropped. In a block with
     ``$ `` prompts only prompted lines are commands, and a ``syncline ...: error:`` line right
     after one is the refusal it documents.
     """
-    blocks: list[list[str]] = []
-    lines: list[str] | None = None
-    for raw in README.read_text().splitlines():
-        if raw.startswith("```"):
-            if lines is None:
-                lines = []
-                shell = raw.strip() in ("```", "```bash", "```console", "```sh")
-            elif shell:
-                blocks.append(lines)
-                lines = None
-            else:
-                lines = None
+    lines: list[str] = []
+    for raw in code.splitlines():
+        if lines and lines[-1].endswith("\\"):
+            lines[-1] = lines[-1][:-1].rstrip() + " " + raw.strip()
+        else:
+            lines.append(raw)
+    prompted = any(line.startswith("$ ") for line in lines)
+    cmds: list[tuple[str, str | None]] = []
+    for i, line in enumerate(lines):
+        if prompted and not line.startswith("$ "):
             continue
-        if lines is not None:
-            if lines and lines[-1].endswith("\\"):
-                lines[-1] = lines[-1][:-1].rstrip() + " " + raw.strip()
-            else:
-                lines.append(raw)
-    found: list[list[tuple[str, str | None]]] = []
-    for block in blocks:
-        prompted = any(line.startswith("$ ") for line in block)
-        cmds: list[tuple[str, str | None]] = []
-        for i, line in enumerate(block):
-            if prompted and not line.startswith("$ "):
-                continue
-            cmd = re.sub(r"\s+#.*$", "", line.removeprefix("$ ")).strip()
-            if not cmd.startswith(("syncline ", "sudo syncline ", "bash scripts/train.sh")):
-                continue
-            nxt = block[i + 1] if i + 1 < len(block) else ""
-            error = nxt if prompted and re.match(r"syncline \w+: error:", nxt) else None
-            cmds.append((cmd, error))
-        if cmds:
-            found.append(cmds)
-    return found
+        cmd = re.sub(r"\s+#.*$", "", line.removeprefix("$ ")).strip()
+        if not cmd.startswith(("syncline ", "sudo syncline ", "bash scripts/train.sh")):
+            continue
+        nxt = lines[i + 1] if i + 1 < len(lines) else ""
+        error = nxt if prompted and re.match(r"syncline \w+: error:", nxt) else None
+        cmds.append((cmd, error))
+    return cmds
 
 
-BLOCKS = readme_blocks()
-FOUND = [cmd for block in BLOCKS for cmd, _ in block]
+def runs_of(command: str) -> list[str]:
+    """The command lines run for a documented one (its adaptation, or itself)."""
+    return ADAPTED[command][0] if command in ADAPTED else [command]
+
+
+def is_repeat(command: str, error: str | None, later: list[str], ran: set[str]) -> bool:
+    """Whether ``command`` need not run again: every run of it was made by an earlier block,
+    it expects exit 0, and nothing later in its block reads what it writes."""
+    args = shlex.split(command.removeprefix("sudo "))
+    run_dir = _value(args, "--run-dir")
+    return (
+        error is None
+        and all(r in ran and r not in EXPECTED_EXIT for r in runs_of(command))
+        and "--resume" not in args
+        and not (run_dir and any(run_dir in c for c in later))
+    )
+
+
+def doc_blocks() -> tuple[list[CommandBlock], list[str]]:
+    """The command blocks of README.md and docs/*.md to run, and every command documented.
+
+    A repeat (:func:`is_repeat`) is left out of its block, though listed as documented; a block
+    left with no command is dropped.
+    """
+    blocks: list[CommandBlock] = []
+    found: list[str] = []
+    ran: set[str] = set()
+    for page in PAGES:
+        for block in code_blocks(page):
+            if block.lang not in ("", "bash", "console", "sh"):
+                continue
+            cmds = commands_of(block.code)
+            found += [c for c, _ in cmds]
+            kept = []
+            for i, (cmd, error) in enumerate(cmds):
+                if is_repeat(cmd, error, [c for c, _ in cmds[i + 1 :]], ran):
+                    continue
+                ran.update(runs_of(cmd))
+                kept.append((cmd, error))
+            if kept:
+                blocks.append((block.where, kept))
+    return blocks, found
 
 
 def _set(args: list[str], flag: str, value: str, *, only_if_absent: bool = False) -> None:
@@ -166,36 +198,64 @@ def shrink(command: str) -> list[str]:
     return args
 
 
+BLOCKS, FOUND = doc_blocks()
+
+
 def _can_emulate() -> bool:
     return os.geteuid() == 0 and bool(shutil.which("ip")) and bool(shutil.which("tc"))
 
 
 def _prepare(cwd: Path) -> None:
-    """What the README's commands expect in the current directory: ``gpt2_factory.py`` (the
-    README's own python block), a ``my_texts/`` folder, and ``examples/``."""
-    text = README.read_text()
-    factory = re.search(r"```python\n(from transformers import GPT2Config.*?)```", text, re.S)
-    assert factory, "README's gpt2_factory.py block not found"
-    (cwd / "gpt2_factory.py").write_text(factory.group(1))
+    """What the documented commands expect in the current directory: ``gpt2_factory.py`` (the
+    python block of the docs that builds it), a ``my_texts/`` folder, and ``examples/``."""
+    factories = [
+        b.code
+        for page in PAGES
+        for b in code_blocks(page)
+        if b.lang == "python" and b.code.startswith("from transformers import GPT2Config")
+    ]
+    assert len(factories) == 1, f"expected one gpt2_factory.py block, found {len(factories)}"
+    (cwd / "gpt2_factory.py").write_text(factories[0])
     (cwd / "my_texts").mkdir()
-    (cwd / "my_texts" / "readme.md").write_text(text)
+    (cwd / "my_texts" / "readme.md").write_text(README.read_text())
     (cwd / "examples").symlink_to(REPO / "examples")
 
 
-def test_every_readme_command_is_handled() -> None:
+def test_every_documented_command_is_handled() -> None:
     """Found = run (as written, shrunk, or adapted) + NOT_RUN; no stale adaptation."""
-    assert len(FOUND) >= 30, f"parsed only {len(FOUND)} README commands: {FOUND}"
+    assert len(FOUND) >= 30, f"parsed only {len(FOUND)} documented commands: {FOUND}"
     assert set(ADAPTED) <= set(FOUND), set(ADAPTED) - set(FOUND)
     assert set(NOT_RUN) <= set(FOUND), set(NOT_RUN) - set(FOUND)
     assert set(README_BUGS) <= set(FOUND), set(README_BUGS) - set(FOUND)
     assert "syncline report runs/dp runs/pp --out compare.png" in FOUND
     assert any(c.startswith("syncline plan --profile") for c in FOUND)
+    ran = {r for _, block in BLOCKS for c, _ in block for r in runs_of(c)}
+    never = [c for c in FOUND if c not in NOT_RUN and not set(runs_of(c)) <= ran]
+    assert not never, f"documented commands that no block runs: {never}"
+
+
+def test_parsing_and_repeats() -> None:
+    """Prompts, refusals, continuation lines; a repeat runs once unless its block needs it."""
+    code = "$ syncline train --batch-size 33\nsyncline train: error: bad\n$ ls\n"
+    assert commands_of(code) == [("syncline train --batch-size 33", "syncline train: error: bad")]
+    code = "syncline train --steps 5 \\\n    --n-layer 2  # a note\npython x.py\nsyncline train\n"
+    assert commands_of(code) == [
+        ("syncline train --steps 5 --n-layer 2", None),
+        ("syncline train", None),
+    ]
+    ran = {"syncline train", "syncline train --run-dir runs/x", "syncline train --resume runs/a"}
+    assert is_repeat("syncline train", None, [], ran)
+    assert is_repeat("bash scripts/train.sh", None, [], ran)  # runs as `syncline train`
+    assert not is_repeat("syncline train --steps 3", None, [], ran)
+    assert not is_repeat("syncline train", "syncline train: error: x", [], ran)
+    assert not is_repeat("syncline train --run-dir runs/x", None, ["syncline report runs/x"], ran)
+    assert not is_repeat("syncline train --resume runs/a", None, [], ran)
 
 
 @pytest.mark.parametrize(
-    "block", BLOCKS, ids=[f"block{i}:{b[0][0][:40]}" for i, b in enumerate(BLOCKS)]
+    "block", [b for _, b in BLOCKS], ids=[f"{where}:{b[0][0][:40]}" for where, b in BLOCKS]
 )
-def test_readme_block_runs(block: list[tuple[str, str | None]], tmp_path, monkeypatch) -> None:
+def test_documented_block_runs(block: list[tuple[str, str | None]], tmp_path, monkeypatch) -> None:
     _prepare(tmp_path)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(REPO)]))
@@ -203,7 +263,7 @@ def test_readme_block_runs(block: list[tuple[str, str | None]], tmp_path, monkey
     for command, error in block:
         if command in NOT_RUN:
             continue
-        for run in ADAPTED[command][0] if command in ADAPTED else [command]:
+        for run in runs_of(command):
             if run in README_BUGS:  # refused as written: pin the refusal
                 res = syncline(*shrink(run))
                 assert res.returncode == 2, (run, res.stdout[-1500:], res.stderr[-2500:])
