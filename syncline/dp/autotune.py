@@ -126,6 +126,8 @@ class BucketTuning:
 
     def _make_tuner(self, start_step: int) -> _Tuner | None:
         cfg, buf = self.config, self.buffer
+        if buf.nbytes == 0:  # only sparse gradients: no bucket to size
+            return None
         cands, plans, seen = [], [], set()
         for c in bucket_candidates(
             buf.nbytes,

@@ -112,3 +112,23 @@ def test_require_backward_grad_sync_accumulates_like_ddp_with_one_reduction_per_
         counts = ours[rank]["counts"]
         assert counts[0::2] == [0, 0, 0]  # the flag False: the backward reduced nothing
         assert all(c >= 1 for c in counts[1::2])  # the flag True: the step's reduction
+
+
+def _sparse_only_rank(rank: int, world: int, kind: str) -> torch.Tensor:
+    torch.manual_seed(0)
+    model = nn.EmbeddingBag(10, 4, sparse=True)  # its only parameter has sparse gradients
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        wrapped = DDP(model) if kind == "ddp" else DataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        wrapped(torch.tensor([[rank, step, 3], [7, rank + 4, step]])).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model.weight.detach().clone()
+
+
+def test_a_model_with_only_sparse_parameters_trains_as_under_ddp() -> None:
+    ours, ddp = run_ranks(_sparse_only_rank, 2, "syncline"), run_ranks(_sparse_only_rank, 2, "ddp")
+    for a, b in zip(ours, ddp, strict=True):
+        assert torch.equal(a, b)
