@@ -25,6 +25,7 @@ and the bucket tuning :mod:`syncline.dp.autotune`.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -168,7 +169,9 @@ class DataParallel(nn.Module):
         tune_keep_margin: float = _D.tune_keep_margin,
         tune_min_bucket_mb: float = _D.tune_min_bucket_mb,
     ) -> None:
+        settings = {k: v for k, v in locals().items() if k not in ("self", "module", "__class__")}
         super().__init__()
+        self._settings = settings  # what a pickled wrapper is built again with
         del dim, check_reduction, static_graph, batched_grad_copy
         refuse_unsupported(
             delay_all_reduce_named_params=delay_all_reduce_named_params,
@@ -360,8 +363,7 @@ class DataParallel(nn.Module):
 
     @property
     def require_backward_grad_sync(self) -> bool:
-        """DDP's flag, which scripts set instead of :meth:`no_sync` to accumulate: False
-        makes the backwards of the forwards run from now on reduce nothing."""
+        """DDP's flag scripts set instead of :meth:`no_sync`: False, no reduction."""
         return bool(self._sync_enabled)
 
     @require_backward_grad_sync.setter
@@ -387,9 +389,9 @@ class DataParallel(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name in ddp_attribute_names():
-                raise AttributeError(refusal(name)) from None
-            raise
+            if name not in ddp_attribute_names():
+                raise
+            raise AttributeError(refusal(name)) from None
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -494,14 +496,32 @@ class DataParallel(nn.Module):
             "module (its hooks are removed); use the newer one"
         )
 
-    def __getstate__(self) -> NoReturn:
-        # Unpickled, the wrapper would have no hooks and no process group: gradients would
-        # silently stop being averaged. DDP pickles only partially; refusing is clearer.
-        raise ConfigError(
-            "DataParallel cannot be pickled or deep-copied (its gradient hooks and process "
-            "group do not survive it): save model.module.state_dict() instead and wrap the "
-            "loaded module again"
-        )
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickling (and deepcopy) keep what DDP's do, the module and the settings; loaded,
+        the wrapper is built again on the default group, with no broadcast. A group, a
+        collective object or a compressor's state would not come back: refused."""
+        args = self._settings
+        if args["process_group"] is not None or not isinstance(args["allreduce"], str):
+            why = "its process group or collective does not survive pickling"
+        elif not self._compressor.stateless:
+            why = f"its compressor {self._compressor.name!r} keeps state a pickle would lose"
+        else:
+            self.remove_hooks()
+            try:
+                module = copy.deepcopy(self.module)
+            finally:
+                self.install_hooks()
+            return {
+                "module": module,
+                "settings": {**args, "init_sync": False},
+                "train": self.training,
+            }
+        hint = "save model.module.state_dict() (and compression_state_dict()) instead"
+        raise ConfigError(f"DataParallel cannot be pickled or deep-copied: {why}; {hint}")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        DataParallel.__init__(self, state["module"], **state["settings"])
+        self.train(state["train"])
 
 
 def _hook_outputs(out: Any, hook: Any) -> int:

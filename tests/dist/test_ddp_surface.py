@@ -132,3 +132,44 @@ def test_a_model_with_only_sparse_parameters_trains_as_under_ddp() -> None:
     ours, ddp = run_ranks(_sparse_only_rank, 2, "syncline"), run_ranks(_sparse_only_rank, 2, "ddp")
     for a, b in zip(ours, ddp, strict=True):
         assert torch.equal(a, b)
+
+
+def _pickled_rank(rank: int, world: int, kind: str, how: str) -> list[torch.Tensor]:
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        wrapped = DDP(model) if kind == "ddp" else DataParallel(model, bucket_cap_mb=25)
+    gen = torch.Generator().manual_seed(10 + rank)
+
+    def train(w: nn.Module, steps: int) -> None:
+        opt = torch.optim.SGD(w.parameters(), lr=0.1)
+        for _ in range(steps):
+            x, y = torch.randn(4, 6, generator=gen), torch.randn(4, 3, generator=gen)
+            opt.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(w(x), y).backward()
+            opt.step()
+
+    train(wrapped, 2)
+    if how == "save":  # torch.save of the wrapper mid-training, loaded, trained on
+        buf = io.BytesIO()
+        torch.save(wrapped, buf)
+        buf.seek(0)
+        again = torch.load(buf, weights_only=False)
+    else:
+        again = copy.deepcopy(wrapped)
+    train(again, 3)
+    return [p.detach().clone() for p in again.parameters()]
+
+
+def test_a_pickled_or_copied_wrapper_trains_on_as_ddps_does() -> None:
+    for how in ("save", "deepcopy"):
+        ours = run_ranks(_pickled_rank, 2, "syncline", how)
+        ddp = run_ranks(_pickled_rank, 2, "ddp", how)
+        for a, b in zip(ours, ddp, strict=True):
+            for x, y in zip(a, b, strict=True):
+                assert torch.equal(x, y), how
+        assert not torch.equal(ours[0][0], ours[0][0] * 0)  # trained, not empty
