@@ -136,15 +136,16 @@ def trace_model(
 
     Args:
         model: any module ``torch.export`` traces; called as ``model(**example_inputs)``.
-            Its forward should return what the loss takes (e.g. logits: for HuggingFace
-            models pass ``use_cache=False`` in the config and return a tensor or use the
-            ``logits``); the model is left as it was (the split points' forwards restored).
+            Its forward should return what the loss takes (e.g. logits; a HuggingFace
+            model's ``use_cache`` is turned off while tracing, as training needs no cache);
+            the model is left as it was (the split points' forwards and its config restored).
         split_points: fully-qualified module names, in model order; each starts a stage.
         example_inputs: one micro-batch, by the forward's argument names (real tensors).
 
     Raises:
-        ConfigError: a split point names no module, or the trace gives another number of
-            stages than split points + 1.
+        ConfigError: a split point names no module, the tracer cannot take the model (one
+            line naming it and what to change), or the trace gives another number of stages
+            than split points + 1.
     """
     from torch.distributed.pipelining import SplitPoint, pipeline
 
@@ -157,9 +158,28 @@ def trace_model(
         )
     canonical = _canonical_names(model)
     spec = {p: SplitPoint.BEGINNING for p in split_points}
+    # A HuggingFace model built from its default config returns a key-value cache beside the
+    # logits, which the tracer cannot carry ("Found DynamicCache in output"); training never
+    # reads it, so the trace is taken without it and the user's config is left as it was.
+    config = getattr(model, "config", None)
+    cached = getattr(config, "use_cache", None) is True
     try:
+        if cached:
+            config.use_cache = False  # type: ignore[union-attr]
         pipe = pipeline(model, (), dict(example_inputs), split_spec=spec)
+    except ConfigError:
+        raise
+    except Exception as exc:  # the tracer's own errors, many kinds: one line, what to change
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise ConfigError(
+            f"torch.export could not trace {type(model).__name__} for split_points="
+            f"{list(split_points)}: {type(exc).__name__}: {first}; valid: a forward that "
+            "returns tensors (or a dict/tuple of them) without data-dependent Python control "
+            "flow; or pipeline_stages=1"
+        ) from exc
     finally:
+        if cached:
+            config.use_cache = True  # type: ignore[union-attr]
         for p in split_points:  # the splitter patches these modules' forward in place
             model.get_submodule(p).__dict__.pop("forward", None)
             model.get_submodule(p).__dict__.pop("_orig_forward", None)
