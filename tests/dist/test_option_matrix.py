@@ -16,9 +16,12 @@ pass, or any failure once training started, fails the cell.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,15 +36,28 @@ from syncline.testing.training import run_training
 from syncline.train.checkpoint import load_checkpoint
 from syncline.train.config import TrainConfig
 from syncline.train.preflight import prepare_run_dir
-from tests.plugins import toy_plugin
 from tests.zoo.exact import assert_exact
 
 pytestmark = pytest.mark.slow
 
-# The toy plug-in's compressor, schedule and allreduce join the matrix as a user's would
-# (and the cells are the same whichever test module imported it first).
-toy_plugin.register()
-PLUGIN = ["--plugin", toy_plugin.__name__]
+# The toy plug-in's compressor, schedule and allreduce join the matrix as a user's would.
+# It is registered only while the cells are chosen and while each cell runs, and the
+# registries are left as they were found (other tests count the built-in entries).
+TOY = "tests.plugins.toy_plugin"
+PLUGIN = ["--plugin", TOY]
+
+
+@contextlib.contextmanager
+def _toy_plugin() -> Iterator[None]:
+    had = "toymean" in COMPRESSORS
+    toy = importlib.import_module(TOY)  # registers on a first import
+    toy.register()
+    try:
+        yield
+    finally:
+        if not had:
+            toy.unregister()
+
 
 BASE = ["--seq-len", "16", "--batch-size", "8", "--steps", "3", "--checkpoint-every", "2"]
 BASE += ["--keep-checkpoints", "2", "--log-every", "1", "--warmup-steps", "1", "--timeout", "60"]
@@ -106,8 +122,16 @@ def _valid(cell: Cell) -> bool:
     return True
 
 
-CELLS = all_pairs(train_dimensions(), _valid)
-ORDER = [d.name for d in train_dimensions()]
+with _toy_plugin():
+    CELLS = all_pairs(train_dimensions(), _valid)
+    ORDER = [d.name for d in train_dimensions()]
+    DIMENSIONS = train_dimensions()
+
+
+@pytest.fixture(autouse=True)
+def _registered_toy_plugin() -> Iterator[None]:
+    with _toy_plugin():
+        yield
 
 
 def _cell_id(cell: Cell) -> str:
@@ -174,7 +198,7 @@ def test_cell_trains_and_resumes_bit_exact_or_is_refused_up_front(
 
 
 def test_the_matrix_covers_every_pair_of_registered_values() -> None:
-    dims = train_dimensions()
+    dims = DIMENSIONS
     covered = set()
     for cell, _ in CELLS:
         items = [(d.name, cell[d.name]) for d in dims]
