@@ -1,4 +1,9 @@
-"""`syncline train` end to end through torchrun: artifacts, bad input, a dying rank."""
+"""`syncline train` end to end: artifacts, bad input, a dying rank.
+
+The launcher's own tests go through torchrun (marked ``slow``: a complete run directory, a
+dying rank named by the job, an emulated network); the others run the command's validation
+and the workers' code in-process (:mod:`tests.zoo.train`), or ``main`` itself for bad input.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +16,10 @@ import pytest
 from syncline.train.checkpoint import load_checkpoint
 from tests.zoo.cli import syncline
 from tests.zoo.ids import flags_id
+from tests.zoo.train import cli, train
 
 
+@pytest.mark.slow  # the launcher end to end: options -> config.json -> torchrun -> workers
 def test_train_writes_a_complete_run_directory(tmp_path) -> None:
     run = tmp_path / "run"
     res = syncline(
@@ -46,9 +53,9 @@ def test_train_writes_a_complete_run_directory(tmp_path) -> None:
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # 30 steps to a 20 % lower loss: a convergence check (the CNN: unit tests)
 def test_cnn_on_digits_trains(tmp_path) -> None:
-    res = syncline(
-        "train",
+    train(
         "--model",
         "cnn",
         "--steps",
@@ -64,7 +71,6 @@ def test_cnn_on_digits_trains(tmp_path) -> None:
         "--run-dir",
         str(tmp_path / "cnn"),
     )
-    assert res.returncode == 0, res.stderr[-2000:]
     summary = json.loads((tmp_path / "cnn" / "summary.json").read_text())
     assert summary["data"] == "digits"
     assert summary["final_loss"] < 0.8 * summary["first_loss"]
@@ -89,7 +95,7 @@ BAD_INPUT = [
 
 @pytest.mark.parametrize(("args", "match"), BAD_INPUT, ids=[flags_id(a) for a, _ in BAD_INPUT])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, match) -> None:
-    res = syncline("train", "--run-dir", str(tmp_path / "bad"), *args, timeout=60)
+    res = cli("train", "--run-dir", str(tmp_path / "bad"), *args)
     assert res.returncode == 2
     assert match in res.stderr
     assert "Traceback" not in res.stderr
@@ -97,6 +103,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, match) -> None:
     assert not (tmp_path / "bad").exists()  # stopped before any work
 
 
+@pytest.mark.slow  # the launcher names the rank that failed first
 def test_a_dying_rank_stops_the_job_with_its_name(tmp_path) -> None:
     res = syncline(
         "train",
@@ -126,6 +133,7 @@ def _namespaces() -> set[str]:
     return {line.split()[0] for line in out.splitlines() if line.strip()}
 
 
+@pytest.mark.slow  # the launcher starts one network namespace per rank
 @pytest.mark.skipif(not _can_emulate(), reason="needs root and iproute2 (ip, tc)")
 def test_emulated_slow_network_with_csc(tmp_path) -> None:
     run = tmp_path / "emu"
@@ -162,8 +170,7 @@ def test_emulated_slow_network_with_csc(tmp_path) -> None:
 
 def test_hierarchical_allreduce_on_4_ranks_as_2_nodes(tmp_path) -> None:
     run = tmp_path / "hier"
-    res = syncline(
-        "train",
+    train(
         "--steps",
         "6",
         "--log-every",
@@ -183,7 +190,6 @@ def test_hierarchical_allreduce_on_4_ranks_as_2_nodes(tmp_path) -> None:
         "--run-dir",
         str(run),
     )
-    assert res.returncode == 0, res.stderr[-2000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["allreduce"] == "hierarchical" and summary["world_size"] == 4
     assert summary["final_loss"] < summary["first_loss"]

@@ -1,4 +1,7 @@
-"""`syncline train --pipeline-stages` end to end through torchrun: artifacts and bad input.
+"""`syncline train --pipeline-stages` end to end: artifacts and bad input.
+
+The command's validation and the workers' code run in-process (:mod:`tests.zoo.train`; the
+launcher is tested in ``test_cli.py``), bad input and ``--help`` through ``main`` itself.
 
 Each run checks what only a working pipeline produces: a falling loss, a checkpoint that
 loads into the unsplit model with weights moved away from the initialisation, and a trace
@@ -19,16 +22,15 @@ from syncline.train.common import build_model_for
 from syncline.train.config import TrainConfig
 from syncline.train.snapshots import SnapshotStore
 from syncline.train.state import read_meta
-from tests.zoo.cli import syncline
 from tests.zoo.ids import flags_id
+from tests.zoo.train import cli, train
 
 TINY = ["--n-layer", "2", "--n-embd", "32", "--seq-len", "16", "--batch-size", "16"]
 TINY += ["--warmup-steps", "2", "--log-every", "3"]
 
 
 def _train(run: Path, *args: str) -> dict[str, Any]:
-    res = syncline("train", "--pipeline-stages", "2", *TINY, "--run-dir", str(run), *args)
-    assert res.returncode == 0, res.stderr[-3000:]
+    res = train("--pipeline-stages", "2", *TINY, "--run-dir", str(run), *args)
     assert "summary:" in res.stdout and "tokens/s" in res.stdout
     summary: dict[str, Any] = json.loads((run / "summary.json").read_text())
     assert summary["final_loss"] < summary["first_loss"]
@@ -142,11 +144,10 @@ def test_fp16_2bw_pipeline_checkpoints_its_loss_scale_and_resumes(tmp_path) -> N
     snap = store.latest()
     assert snap is not None
     assert read_meta(store, snap)["loss_scale"]["scale"] == 2.0**16
-    res = syncline(
-        "train", "--pipeline-stages", "2", *TINY, "--run-dir", str(run), *args,
+    res = train(
+        "--pipeline-stages", "2", *TINY, "--run-dir", str(run), *args,
         "--steps", "8", "--resume", str(run),
     )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
     # the run's last checkpoint is of its last step (6), so the extension starts there
     assert "resumed from" in res.stdout and "(step 6)" in res.stdout
     resumed = json.loads((run / "summary.json").read_text())
@@ -171,7 +172,7 @@ BAD_INPUT = [
 @pytest.mark.parametrize(("args", "match"), BAD_INPUT, ids=[flags_id(a) for a, _ in BAD_INPUT])
 def test_bad_pipeline_input_is_one_line_and_exit_2(tmp_path, args, match) -> None:
     """A few through the real command; the rest of the checks are tabled in test_config."""
-    res = syncline("train", "--run-dir", str(tmp_path / "bad"), *args, timeout=60)
+    res = cli("train", "--run-dir", str(tmp_path / "bad"), *args)
     assert res.returncode == 2, res.stderr
     assert match in res.stderr
     assert "Traceback" not in res.stderr
@@ -180,7 +181,7 @@ def test_bad_pipeline_input_is_one_line_and_exit_2(tmp_path, args, match) -> Non
 
 
 def test_help_documents_the_pipeline_options() -> None:
-    res = syncline("train", "--help", timeout=60)
+    res = cli("train", "--help")
     assert res.returncode == 0
     for option in ("--pipeline-stages", "--microbatches", "--schedule", "--recompute", "--balance"):
         assert option in res.stdout

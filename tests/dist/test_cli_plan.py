@@ -5,6 +5,9 @@ what only a working profiler and planner produce (a cluster whose links and base
 were measured, a model whose per-layer costs are positive), that every candidate's
 ``train_args`` is accepted by ``syncline train`` and that ``--plan auto`` trains the top
 candidate and records the prediction next to the measurement.
+
+The profile's ranks and ``--plan auto``'s training are launched by torchrun (the command has
+no in-process path for them), so those tests are ``slow``; bad input goes through ``main``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 import pytest
 
 from tests.zoo.cli import syncline
+from tests.zoo.train import cli
 
 TINY = ["--n-layer", "2", "--n-embd", "32", "--seq-len", "16", "--batch-size", "16"]
 
@@ -30,6 +34,7 @@ def profiled(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
     return out, doc
 
 
+@pytest.mark.slow  # torchrun launches the profile's ranks
 def test_profile_measures_this_machine(profiled: tuple[Path, dict[str, Any]]) -> None:
     path, _ = profiled
     doc = json.loads(path.read_text())
@@ -50,6 +55,7 @@ def test_profile_measures_this_machine(profiled: tuple[Path, dict[str, Any]]) ->
     assert sum(layer["params"] for layer in model["layers"]) == 42368  # the model's numel
 
 
+@pytest.mark.slow  # torchrun launches the profile's ranks
 def test_candidates_are_ranked_and_runnable(profiled: tuple[Path, dict[str, Any]]) -> None:
     _, doc = profiled
     cands = doc["candidates"]
@@ -68,6 +74,7 @@ def test_candidates_are_ranked_and_runnable(profiled: tuple[Path, dict[str, Any]
         assert "--batch-size=16" in c["train_args"]
 
 
+@pytest.mark.slow  # torchrun launches the profile's ranks, then the training
 def test_plan_auto_trains_the_top_candidate(
     profiled: tuple[Path, dict[str, Any]], tmp_path: Path
 ) -> None:
@@ -86,9 +93,9 @@ def test_plan_auto_trains_the_top_candidate(
 
 
 def test_plan_refuses_bad_input() -> None:
-    res = syncline("plan", *TINY, "--ranks=0", "--cluster=/nonexistent.json")
+    res = cli("plan", *TINY, "--ranks=0", "--cluster=/nonexistent.json")
     assert res.returncode != 0 and "--ranks" in res.stderr
-    res = syncline("plan", *TINY)
+    res = cli("plan", *TINY)
     assert res.returncode != 0 and "--profile" in res.stderr
-    res = syncline("plan", *TINY, "--cluster=/nonexistent.json")
+    res = cli("plan", *TINY, "--cluster=/nonexistent.json")
     assert res.returncode != 0 and "nonexistent" in res.stderr

@@ -1,5 +1,7 @@
 """`syncline train` on your own model and data, as a user runs it: from the folder holding a
-factory module that the test writes, through torchrun, on real processes.
+factory module that the test writes, on real processes (the command's validation in this
+process, run from that folder; the workers' code on forked ranks started from it, as
+torchrun starts them: :mod:`tests.zoo.train`).
 
 Two runs cover the paths: the factory's model (no ``nn.Sequential``) on a text folder with
 data parallelism (2 ranks), and a factory returning ``(model, loss)`` on an image folder as
@@ -9,15 +11,13 @@ a 2-stage pipeline cut at a split point (the model traced and called by its argu
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from syncline.train.checkpoint import load_checkpoint
+from tests.zoo.train import cli, train
 from tests.zoo.user_code import MODULE, write_image_folder, write_module, write_text_folder
 
 COMMON = ["--batch-size", "8", "--log-every", "2", "--eval-every", "4", "--warmup-steps", "0"]
@@ -25,16 +25,8 @@ COMMON += ["--sample-tokens", "0"]  # a test that wants the sample asks again, l
 
 
 def _train(cwd: Path, run: str, *args: str) -> tuple[dict, list[dict]]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    res = subprocess.run(
-        [sys.executable, "-m", "syncline.cli.main", "train", *COMMON, "--run-dir", run, *args],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-        cwd=cwd,  # the user's module is found here, by the command and by every rank
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
+    # the user's module is found in cwd, by the command and by every rank
+    train(*COMMON, "--run-dir", run, *args, cwd=cwd)
     records = [json.loads(line) for line in (cwd / run / "metrics.jsonl").read_text().splitlines()]
     return json.loads((cwd / run / "summary.json").read_text()), records
 
@@ -104,10 +96,7 @@ def test_tokenizer_level_text_trains_and_its_sample_reads_as_text(user_dir) -> N
     corpus = write_text_folder(user_dir / "corpus")
     tok, vocab = _tokenizer(user_dir, corpus)
     data = f"tokens:{tok.name}:corpus"
-    small = subprocess.run(
-        [sys.executable, "-m", "syncline.cli.main", "train", "--data", data, "--steps", "1"],
-        capture_output=True, text=True, timeout=120, cwd=user_dir,
-    )  # fmt: skip
+    small = cli("train", "--data", data, "--steps", "1", cwd=user_dir)
     assert small.returncode == 2, small.stderr[-2000:]
     assert f"--model-option vocab_size={vocab}" in small.stderr
     summary, records = _train(

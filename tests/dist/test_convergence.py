@@ -45,6 +45,8 @@ import torch
 
 from syncline.testing import run_ranks
 
+pytestmark = pytest.mark.slow  # 300 steps per compressor: the full tier only
+
 WORLD = 2
 SEED = 0
 STEPS = 300

@@ -18,6 +18,7 @@ from benchmarks.gpu_check import common, syncs
 from benchmarks.gpu_check import main as runner
 
 
+@pytest.mark.slow  # runs two of gpu_check's checks end to end (a benchmark's runner)
 def test_cpu_subset_writes_one_record_per_check(tmp_path) -> None:
     out = tmp_path / "gpu_check_cpu.json"
     rc = runner.main(["--device", "cpu", "--checks", "compressors,host_syncs", "--out", str(out)])

@@ -21,6 +21,8 @@ from syncline.launch.netns import (
     check_prerequisites,
 )
 
+pytestmark = pytest.mark.slow  # namespaces, links and traffic shaping: the full tier only
+
 REPO = Path(__file__).resolve().parents[2]
 WORLD = 2
 NUMEL = 1 << 18  # 1 MiB of float32: many frames through the tbf, well under a second each way

@@ -210,6 +210,7 @@ def _replica_rank(rank: int, world: int) -> dict:
     return {"losses": _run(pipe, shard, "2bw"), "state": pipe.local_state_dict()}
 
 
+@pytest.mark.slow  # 4 ranks each importing transformers; replicas: test_pipeline_replicas
 def test_traced_pipeline_with_replicas_matches_and_keeps_tied_copies_equal() -> None:
     per_rank = run_ranks(_replica_rank, 4, timeout_s=240)
     want, want_losses = reference("gpt2", "2bw", M)
@@ -265,7 +266,9 @@ def test_a_meta_built_gpt2_materialises_only_each_ranks_stage_and_matches() -> N
     per_rank = run_ranks(_meta_rank, 2, timeout_s=240)
     assert all(r["model_still_meta"] for r in per_rank)
     first, last = (set(r["state"]) for r in per_rank)
-    assert not any(k.startswith("transformer.h.2") or k.startswith("transformer.h.3") for k in first)
+    assert not any(
+        k.startswith("transformer.h.2") or k.startswith("transformer.h.3") for k in first
+    )
     assert not any(k.startswith("transformer.h.0") or k.startswith("transformer.h.1") for k in last)
     want, want_losses = reference("gpt2", "2bw", M, build=materialized_gpt2)
     state = {**per_rank[0]["state"], **per_rank[1]["state"]}
@@ -292,6 +295,7 @@ def test_bad_split_points_are_refused_before_any_work() -> None:
         Pipeline(gpt2(), num_stages=2, num_microbatches=2, loss_fn=lm_loss, optimizer=_optimizer)
 
 
+@pytest.mark.slow  # the example as the README runs it: under torchrun
 def test_the_readme_example_trains_a_tied_gpt2_under_torchrun(tmp_path) -> None:
     """``examples/pipeline_hf_gpt2.py``, as the README runs it (torchrun, 2 ranks)."""
     import os

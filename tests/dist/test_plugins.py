@@ -9,20 +9,16 @@ line each must be accepted, reach every rank and train.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 from syncline.testing import run_ranks
 from tests.plugins import toy_plugin
+from tests.zoo.train import cli, train
 
-ROOT = Path(__file__).resolve().parents[2]
 # Importing the plug-in registered it (as `--plugin` needs); the entries exist only inside
 # this file's tests (the fixture below) and its rank functions, never in other tests.
 toy_plugin.unregister()
@@ -110,18 +106,12 @@ def test_plugin_schedule_trains_like_the_schedule_it_reorders() -> None:
 
 
 def _train(run: Path, *args: str) -> dict[str, object]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
-    res = subprocess.run(
-        [sys.executable, "-m", "syncline.cli.main", "train", "--plugin", "tests.plugins.toy_plugin"]
-        + ["--model", "toy-mlp", "--batch-size", "32", "--lr", "0.05", "--log-every", "5"]
-        + ["--run-dir", str(run), *args],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-        cwd=ROOT,
+    """``syncline train --plugin tests.plugins.toy_plugin ...``: the command's checks here, the
+    workers' code in-process (:mod:`tests.zoo.train`), where each rank imports the plug-in."""
+    train(
+        *("--plugin", "tests.plugins.toy_plugin", "--model", "toy-mlp", "--batch-size", "32"),
+        *("--lr", "0.05", "--log-every", "5", "--run-dir", str(run), *args),
     )
-    assert res.returncode == 0, res.stderr[-3000:]
     return json.loads((run / "summary.json").read_text())
 
 
@@ -129,7 +119,7 @@ def test_syncline_train_with_plugin_model_compressor_and_allreduce(tmp_path) -> 
     summary = _train(
         tmp_path / "dp", "--steps", "30", "--compression", "toymean", "--allreduce", "toy-ring",
         "--toy-hidden", "16",
-    )
+    )  # fmt: skip
     config = json.loads((tmp_path / "dp" / "config.json").read_text())
     assert config["plugins"] == ["tests.plugins.toy_plugin"]
     assert config["model_options"] == {"hidden": 16} and config["data"] is None
@@ -141,19 +131,13 @@ def test_syncline_train_with_plugin_schedule(tmp_path) -> None:
     summary = _train(
         tmp_path / "pp", "--steps", "20", "--pipeline-stages", "2", "--schedule", "toy-lifo",
         "--microbatches", "4",
-    )
+    )  # fmt: skip
     assert summary["schedule"] == "toy-lifo"
     assert summary["final_loss"] < 0.5 * summary["first_loss"]
 
 
 def test_unknown_plugin_is_one_line_and_exit_2(tmp_path) -> None:
-    res = subprocess.run(
-        [sys.executable, "-m", "syncline.cli.main", "train", "--plugin", "no.such.module"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=tmp_path,
-    )
+    res = cli("train", "--plugin", "no.such.module", cwd=tmp_path)
     assert res.returncode == 2
     assert "plugin='no.such.module' cannot be imported" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1

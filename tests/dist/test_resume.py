@@ -1,8 +1,10 @@
 """Runs that survive: periodic sharded checkpoints, exact resume, elastic restart (issue 12).
 
-The end-to-end tests run ``syncline train`` through torchrun on 2 gloo ranks with a tiny GPT
-and compare the final ``checkpoint.pt`` of an interrupted-then-continued run with an
-uninterrupted one's, bit for bit (model and optimizer).
+The end-to-end tests run ``syncline train`` on 2 gloo ranks with a tiny GPT and compare the
+final ``checkpoint.pt`` of an interrupted-then-continued run with an uninterrupted one's, bit
+for bit (model and optimizer). The workers' code runs in-process (:mod:`tests.zoo.train`; a
+restart by ``--max-restarts`` is its attempt 1); one elastic restart goes through torchrun,
+whose restart is what it tests.
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ from syncline.errors import CheckpointError
 from syncline.testing import run_ranks
 from syncline.train.checkpoint import load_checkpoint
 from tests.zoo.cli import syncline
+from tests.zoo.train import Trained, cli, train, train_failing, train_restarted
 
 TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16"]
 TINY += ["--batch-size", "8", "--log-every", "2", "--warmup-steps", "2"]
 
 
-def _train(run: Path, *extra: str) -> tuple[int, str]:
-    res = syncline("train", *TINY, "--run-dir", str(run), *extra)
-    return res.returncode, res.stdout + res.stderr
+def _train(run: Path, *extra: str) -> Trained:
+    return train(*TINY, "--run-dir", str(run), *extra)
 
 
 def _final(run: Path) -> dict:
@@ -64,10 +66,7 @@ def uninterrupted(tmp_path_factory) -> dict[str, dict]:
     out = {}
     for name, flags in VARIANTS.items():
         run = tmp_path_factory.mktemp(f"ref-{name}")
-        code, text = _train(
-            run, "--steps", "8", "--checkpoint-every", "2", "--keep-checkpoints", "3", *flags
-        )
-        assert code == 0, text[-3000:]
+        _train(run, "--steps", "8", "--checkpoint-every", "2", "--keep-checkpoints", "3", *flags)
         out[name] = {**_final(run), "dir": run}
     return out
 
@@ -84,11 +83,13 @@ def test_resume_after_a_failure_is_bit_exact(tmp_path, uninterrupted) -> None:
     ``--resume`` continues from step 3 and ends with the uninterrupted run's weights and
     optimizer state, bit for bit; the metrics cover every step once."""
     run = tmp_path / "run"
-    code, text = _train(run, "--steps", "8", "--checkpoint-every", "3", "--inject-failure", "1:5")
-    assert code == 1 and "rank 1" in text, text[-3000:]
+    failed = train_failing(
+        *TINY, "--run-dir", str(run), "--steps", "8", "--checkpoint-every", "3",
+        "--inject-failure", "1:5",
+    )  # fmt: skip
+    assert "rank 1: injected failure at step 5" in failed.text, failed.text[-3000:]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000003"]
-    code, text = _train(run, "--resume", str(run), "--steps", "8")
-    assert code == 0, text[-3000:]
+    text = _train(run, "--resume", str(run), "--steps", "8").text
     assert "resumed from" in text and "(step 3)" in text
     final = _final(run)
     _assert_same_state(final, uninterrupted["dense"])
@@ -102,29 +103,32 @@ def test_resume_after_a_failure_is_bit_exact(tmp_path, uninterrupted) -> None:
     ]
 
 
-@pytest.mark.parametrize("variant", ["dense", "csc", "powersgd"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        pytest.param("dense", marks=pytest.mark.slow),  # through torchrun's own restart
+        "csc",
+        "powersgd",
+    ],
+)
 def test_elastic_restart_is_bit_exact(tmp_path, uninterrupted, variant) -> None:
     """``--max-restarts 1``: torchrun restarts both workers after rank 1 dies at step 5; they
     resume from the checkpoint of step 4 by themselves (compressor state included: CSC's
     residuals and momentum, PowerSGD's error and Q) and finish bit-identical. The directory
     holds a newer checkpoint left by an earlier run (step 6): a fresh run clears it, so the
-    restart does not resume from it."""
+    restart does not resume from it. ``dense`` is restarted by torchrun itself; the others
+    in-process, as attempt 1 of the same workers' code (what torchrun's restart runs)."""
     run = tmp_path / "run"
     stale = uninterrupted[variant]["dir"] / "checkpoints" / "step-00000006"
     shutil.copytree(stale, run / "checkpoints" / stale.name)
-    code, text = _train(
-        run,
-        "--steps",
-        "8",
-        "--checkpoint-every",
-        "2",
-        "--inject-failure",
-        "1:5",
-        "--max-restarts",
-        "1",
-        *VARIANTS[variant],
-    )
-    assert code == 0, text[-3000:]
+    flags = [*TINY, "--run-dir", str(run), "--steps", "8", "--checkpoint-every", "2"]
+    flags += ["--inject-failure", "1:5", "--max-restarts", "1", *VARIANTS[variant]]
+    if variant == "dense":
+        res = syncline("train", *flags)
+        assert res.returncode == 0, res.stderr[-3000:]
+        text = res.stdout + res.stderr
+    else:
+        text = train_restarted(*flags).text
     assert "resumed from" in text and "(step 4)" in text, text[-3000:]
     final = _final(run)
     _assert_same_state(final, uninterrupted[variant])
@@ -140,14 +144,17 @@ def test_resume_refuses_a_changed_option_and_a_run_without_checkpoints(
     run = tmp_path / "run"
     run.mkdir()
     shutil.copy(uninterrupted["dense"]["dir"] / "config.json", run / "config.json")
-    code, text = _train(run, "--resume", str(run))
-    assert code == 2 and "no complete checkpoint" in text, text
-    code, text = _train(run, "--resume", str(run), "--lr", "0.5")
-    assert code == 2 and "lr=0.5 differs from the run's" in text, text
+    res = cli("train", *TINY, "--run-dir", str(run), "--resume", str(run))
+    assert res.returncode == 2 and "no complete checkpoint" in res.stderr, res
+    res = cli("train", *TINY, "--run-dir", str(run), "--resume", str(run), "--lr", "0.5")
+    assert res.returncode == 2 and "lr=0.5 differs from the run's" in res.stderr, res
     done = uninterrupted["dense"]["dir"]
-    code, text = _train(done, "--resume", str(done))
-    assert code == 2 and "newest checkpoint is of step 8, and steps=8 leaves nothing" in text
+    res = cli("train", *TINY, "--run-dir", str(done), "--resume", str(done))
+    text = res.stderr
+    assert res.returncode == 2
+    assert "newest checkpoint is of step 8, and steps=8 leaves nothing" in text, text
     assert "valid: --steps greater than 8" in text, text
+    assert sorted(p.name for p in run.iterdir()) == ["config.json"]  # nothing started
 
 
 # -- the store on its own: atomic publication, verification, safe reading --------------------
@@ -226,7 +233,11 @@ PIPELINES = {
 }
 
 
-@pytest.mark.parametrize("variant", sorted(PIPELINES))
+@pytest.mark.parametrize(
+    "variant",
+    # one in the fast tier; the option matrix restarts every schedule too (full tier)
+    [v if v == "2bw" else pytest.param(v, marks=pytest.mark.slow) for v in sorted(PIPELINES)],
+)
 def test_pipeline_elastic_restart_is_bit_exact(tmp_path, variant) -> None:
     """A pipeline (interleaved 1F1B, 1F1B with 2 replicas per stage, 2BW flushed at its
     checkpoint steps as the uninterrupted run is too) whose rank 1 dies
@@ -235,12 +246,10 @@ def test_pipeline_elastic_restart_is_bit_exact(tmp_path, variant) -> None:
     every stage's optimizer state, bit for bit."""
     flags = [*PIPE, *PIPELINES[variant]]
     ref, run = tmp_path / "ref", tmp_path / "run"
-    res = syncline("train", *flags, "--run-dir", str(ref))
-    assert res.returncode == 0, res.stderr[-3000:]
-    res = syncline(
-        "train", *flags, "--run-dir", str(run), "--inject-failure", "1:5", "--max-restarts", "1"
+    train(*flags, "--run-dir", str(ref))
+    res = train_restarted(
+        *flags, "--run-dir", str(run), "--inject-failure", "1:5", "--max-restarts", "1"
     )
-    assert res.returncode == 0, res.stderr[-3000:]
     assert "resumed from" in res.stdout and "(step 4)" in res.stdout, res.stdout[-3000:]
     a, b = _final(ref), _final(run)
     assert a["model"].keys() == b["model"].keys()
@@ -256,8 +265,7 @@ def test_a_pipeline_checkpoint_reshards_onto_4_stages_and_onto_data_parallelism(
     ends, up to floating-point reassociation (state is keyed by the unsplit model's names)."""
     flags = [*PIPE, "--schedule", "1f1b", "--checkpoint-every", "4"]
     ref = tmp_path / "ref"
-    res = syncline("train", *flags, "--run-dir", str(ref))
-    assert res.returncode == 0, res.stderr[-3000:]
+    train(*flags, "--run-dir", str(ref))
     want = _final(ref)["model"]
     for name, shape in {
         "4-stages": ["--pipeline-stages", "4", "--nproc-per-node", "4"],
@@ -266,8 +274,7 @@ def test_a_pipeline_checkpoint_reshards_onto_4_stages_and_onto_data_parallelism(
         run = tmp_path / name
         shutil.copytree(ref, run)
         shutil.rmtree(run / "checkpoints" / "step-00000008")  # the one after the last step
-        res = syncline("train", "--resume", str(run), *shape)
-        assert res.returncode == 0, res.stderr[-3000:]
+        res = train("--resume", str(run), *shape)
         assert "(step 4, resharded" in res.stdout, res.stdout[-2000:]
         got = _final(run)["model"]
         assert got.keys() == want.keys()
@@ -284,8 +291,7 @@ def test_a_data_parallel_checkpoint_reshards_onto_a_pipeline(tmp_path, uninterru
     shutil.copytree(ref["dir"], run)
     shutil.rmtree(run / "checkpoints" / "step-00000006")
     shutil.rmtree(run / "checkpoints" / "step-00000008")
-    res = syncline("train", "--resume", str(run), "--pipeline-stages", "2", "--schedule", "1f1b")
-    assert res.returncode == 0, res.stderr[-3000:]
+    res = train("--resume", str(run), "--pipeline-stages", "2", "--schedule", "1f1b")
     assert "(step 4, resharded" in res.stdout, res.stdout[-2000:]
     got, want = _final(run)["model"], ref["model"]
     assert got.keys() == want.keys()

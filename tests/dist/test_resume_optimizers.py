@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
-from tests.dist.test_resume import PIPE, TINY, _final, _train
-from tests.zoo.cli import syncline
+from syncline.train.checkpoint import load_checkpoint
+from tests.dist.test_resume import PIPE, TINY
 from tests.zoo.exact import assert_exact
+from tests.zoo.train import train, train_restarted
 
 # the README's large-batch recipe, at the tiny GPT's batch of 8
 LAMB = ["--optimizer", "lamb", "--lr", "0.001", "--lr-scaling", "sqrt", "--base-batch-size", "4"]
@@ -26,11 +27,11 @@ def _assert_same_run(ref: dict, got: dict, optimizers: str) -> None:
 
 
 def _restarted(run: Path, *flags: str) -> str:
-    """Rank 1 dies at step 3; torchrun restarts both ranks, which resume from step 2."""
-    res = syncline(
-        "train", *flags, "--run-dir", str(run), "--inject-failure", "1:3", "--max-restarts", "1"
+    """Rank 1 dies at step 3; both ranks restart (as torchrun's attempt 1, in-process) and
+    resume from step 2."""
+    res = train_restarted(
+        *flags, "--run-dir", str(run), "--inject-failure", "1:3", "--max-restarts", "1"
     )
-    assert res.returncode == 0, res.stderr[-3000:]
     assert "resumed from" in res.stdout and "(step 2)" in res.stdout, res.stdout[-3000:]
     return res.stdout
 
@@ -40,11 +41,10 @@ def test_lamb_with_default_checkpointing_resumes_bit_exact(tmp_path) -> None:
     after the last step); the restarted run checkpoints every 2 steps and ends with the same
     weights and the same LAMB state, its ``step`` still an ``int``."""
     flags = [*TINY, *LAMB, "--steps", "6"]
-    code, text = _train(tmp_path / "ref", *flags)
-    assert code == 0, text[-3000:]
+    train(*flags, "--run-dir", str(tmp_path / "ref"))
     assert [p.name for p in (tmp_path / "ref" / "checkpoints").iterdir()] == ["step-00000006"]
     _restarted(tmp_path / "run", *flags, "--checkpoint-every", "2")
-    ref, got = _final(tmp_path / "ref"), _final(tmp_path / "run")
+    ref, got = (load_checkpoint(tmp_path / run / "checkpoint.pt") for run in ("ref", "run"))
     _assert_same_run(ref, got, "optimizer")
     assert {type(s["step"]) for s in ref["optimizer"]["state"].values()} == {int}
     assert {s["step"] for s in ref["optimizer"]["state"].values()} == {6}
@@ -54,10 +54,9 @@ def test_lamb_in_a_1f1b_pipeline_resumes_bit_exact(tmp_path) -> None:
     """Two stages, each its own LAMB: the gathered final state of the restarted run equals
     the uninterrupted run's, stage for stage, ``int`` steps included."""
     flags = [*PIPE, *LAMB, "--schedule", "1f1b", "--steps", "6"]
-    res = syncline("train", *flags, "--run-dir", str(tmp_path / "ref"))
-    assert res.returncode == 0, res.stderr[-3000:]
+    train(*flags, "--run-dir", str(tmp_path / "ref"))
     _restarted(tmp_path / "run", *flags)
-    ref, got = _final(tmp_path / "ref"), _final(tmp_path / "run")
+    ref, got = (load_checkpoint(tmp_path / run / "checkpoint.pt") for run in ("ref", "run"))
     _assert_same_run(ref, got, "optimizers")
     steps = {type(s["step"]) for o in ref["optimizers"].values() for s in o["state"].values()}
     assert sorted(ref["optimizers"]) == [0, 1] and steps == {int}

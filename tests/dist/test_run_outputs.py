@@ -2,7 +2,8 @@
 tensorboard package reads back, a generated sample (data parallel, and through a pipeline's
 forward-only passes), and run directories that `syncline report` compares in one PNG.
 
-One short data-parallel run and one 2-stage pipeline run (2 ranks each) serve every test.
+One short data-parallel run and one 2-stage pipeline run (2 ranks each, the workers' code
+in-process: :mod:`tests.zoo.train`) serve every test.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from syncline.cli.main import main
-from tests.zoo.cli import syncline
+from tests.zoo.train import train
 
 TINY = ["--n-layer", "2", "--n-embd", "32", "--seq-len", "16", "--batch-size", "16"]
 COMMON = [*TINY, "--steps", "6", "--eval-every", "3", "--log-every", "2", "--tensorboard"]
@@ -30,8 +31,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]
     for name, extra in layouts.items():
         run = root / name
         tokens = ["--sample-tokens", str(SAMPLE[name])]
-        res = syncline("train", *COMMON, *extra, *tokens, "--run-dir", str(run))
-        assert res.returncode == 0, res.stderr[-2000:]
+        res = train(*COMMON, *extra, *tokens, "--run-dir", str(run))
         out[name] = (run, res.stdout)
     return out
 

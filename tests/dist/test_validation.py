@@ -14,7 +14,7 @@ from syncline.train.checkpoint import load_checkpoint
 from syncline.train.common import build_datasets, build_model_for
 from syncline.train.config import TrainConfig
 from syncline.train.validation import _STREAM
-from tests.zoo.cli import syncline
+from tests.zoo.train import train
 
 TINY = ["--n-layer", "2", "--n-embd", "32", "--seq-len", "16", "--batch-size", "16"]
 
@@ -38,11 +38,9 @@ def _reference_val_loss(cfg: TrainConfig, weights: dict[str, torch.Tensor]) -> f
 def test_validation_loss_is_the_one_process_value_under_dp_and_pipelines(tmp_path) -> None:
     common = [*TINY, "--steps", "7", "--eval-every", "3", "--log-every", "100"]
     dp, pp = tmp_path / "dp", tmp_path / "pp"
-    res = syncline("train", *common, "--run-dir", str(dp))
-    assert res.returncode == 0, res.stderr[-2000:]
+    res = train(*common, "--run-dir", str(dp))
     assert "validation loss" in res.stdout and "perplexity" in res.stdout
-    res = syncline("train", *common, "--pipeline-stages", "2", "--run-dir", str(pp))
-    assert res.returncode == 0, res.stderr[-2000:]
+    train(*common, "--pipeline-stages", "2", "--run-dir", str(pp))
     cfg = TrainConfig(model_options={"n_layer": 2, "n_embd": 32}, seq_len=16, batch_size=16)
     val = {}
     for name, run in (("dp", dp), ("pp", pp)):
@@ -68,8 +66,7 @@ def test_evaluating_does_not_change_training(tmp_path) -> None:
     common += ["--microbatches", "2", "--nproc-per-node", "4", "--checkpoint-every", "0"]
     runs = {every: tmp_path / f"every{every}" for every in (1, 0)}
     for every, run in runs.items():
-        res = syncline("train", *common, "--eval-every", str(every), "--run-dir", str(run))
-        assert res.returncode == 0, res.stderr[-2000:]
+        train(*common, "--eval-every", str(every), "--run-dir", str(run))
     validated = [r for r in _records(runs[1]) if r["val_loss"] is not None]
     assert len(validated) == 6
     assert all(r["val_loss"] is None for r in _records(runs[0]))

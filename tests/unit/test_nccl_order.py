@@ -100,6 +100,7 @@ def configs(draw: st.DrawFn) -> tuple[str, int, int, int, bool, int]:
     return name, d, m, chunks, draw(st.booleans()), draw(st.sampled_from([1, 2]))
 
 
+@pytest.mark.slow  # 80 drawn schedules (~8 s); the small grid below is exhausted in every tier
 @settings(max_examples=80, deadline=None)
 @given(configs())
 def test_every_schedule_is_safe_under_nccl(config: tuple[str, int, int, int, bool, int]) -> None:
