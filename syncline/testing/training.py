@@ -7,8 +7,8 @@ same validation runs in the caller, and the same ``run_rank`` on ranks forked by
 :func:`~syncline.testing.harness.run_ranks`, each with a real gloo group.
 
 Example:
-    >>> cfg = checked_config(dict(steps=2, run_dir=str(tmp), n_layer=1))  # doctest: +SKIP
-    >>> summaries = run_training(cfg, world=2)  # doctest: +SKIP
+    >>> cfg = check_run(TrainConfig(steps=2, run_dir=str(tmp)))  # doctest: +SKIP
+    >>> summaries = run_training(cfg)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -18,19 +18,7 @@ from typing import Any
 from syncline.testing.harness import run_ranks
 from syncline.train.config import TrainConfig
 
-__all__ = ["checked_config", "run_training"]
-
-
-def checked_config(values: dict[str, Any]) -> TrainConfig:
-    """The config ``syncline train`` would launch with these field values, after the same
-    checks (:func:`syncline.train.preflight.check_run`); the one place a refusal comes from.
-
-    Raises:
-        ConfigError: one line naming the bad value or the conflicting options.
-    """
-    from syncline.train.preflight import check_run
-
-    return check_run(TrainConfig.from_dict(values))
+__all__ = ["run_training"]
 
 
 def _training_rank(rank: int, world: int, values: dict[str, Any], attempt: int) -> Any:

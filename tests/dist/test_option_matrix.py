@@ -16,9 +16,7 @@ pass, or any failure once training started, fails the cell.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import importlib
 import json
 import shutil
 from collections.abc import Iterator
@@ -36,6 +34,7 @@ from syncline.testing.training import run_training
 from syncline.train.checkpoint import load_checkpoint
 from syncline.train.config import TrainConfig
 from syncline.train.preflight import prepare_run_dir
+from tests.plugins import toy_plugin_registered
 from tests.zoo.exact import assert_exact
 
 pytestmark = pytest.mark.slow
@@ -45,18 +44,6 @@ pytestmark = pytest.mark.slow
 # registries are left as they were found (other tests count the built-in entries).
 TOY = "tests.plugins.toy_plugin"
 PLUGIN = ["--plugin", TOY]
-
-
-@contextlib.contextmanager
-def _toy_plugin() -> Iterator[None]:
-    had = "toymean" in COMPRESSORS
-    toy = importlib.import_module(TOY)  # registers on a first import
-    toy.register()
-    try:
-        yield
-    finally:
-        if not had:
-            toy.unregister()
 
 
 BASE = ["--seq-len", "16", "--batch-size", "8", "--steps", "3", "--checkpoint-every", "2"]
@@ -122,7 +109,7 @@ def _valid(cell: Cell) -> bool:
     return True
 
 
-with _toy_plugin():
+with toy_plugin_registered():
     CELLS = all_pairs(train_dimensions(), _valid)
     ORDER = [d.name for d in train_dimensions()]
     DIMENSIONS = train_dimensions()
@@ -130,7 +117,7 @@ with _toy_plugin():
 
 @pytest.fixture(autouse=True)
 def _registered_toy_plugin() -> Iterator[None]:
-    with _toy_plugin():
+    with toy_plugin_registered():
         yield
 
 

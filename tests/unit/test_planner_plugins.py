@@ -3,8 +3,6 @@ reads what it needs (traffic per bucket, state buffers) from the registry entrie
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
 from syncline.dp.registry import COMPRESSORS, CompressorSpec
@@ -12,19 +10,14 @@ from syncline.errors import ConfigError
 from syncline.planner import Cluster, Link, SearchSpace, search
 from syncline.planner.collectives import Phase, bucket_phases
 from syncline.planner.search import default_compressions, table
+from tests.plugins import toy_plugin_registered
 from tests.unit.test_planner import _uniform
 
 
 @pytest.fixture
 def plugin():
-    """The toy plug-in, registered for the test only (importing it registers it, so it is
-    imported here, not at collection: other tests count the built-in entries)."""
-    had = "toymean" in COMPRESSORS
-    toy = importlib.import_module("tests.plugins.toy_plugin")
-    toy.register()
-    yield toy
-    if not had:
-        toy.unregister()
+    with toy_plugin_registered() as toy:
+        yield toy
 
 
 def test_a_plugin_compressor_is_searched_and_shown_with_its_predicted_bytes(plugin) -> None:
