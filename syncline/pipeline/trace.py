@@ -59,9 +59,11 @@ class TracedModel:
     """A model cut into stage modules (see the module docstring).
 
     Attributes:
-        stages: the stage modules, in order; stage ``i``'s forward takes its
-            ``placeholders[i]`` by keyword.
-        placeholders: each stage's input names.
+        stages: the stage modules, in order; stage ``i``'s forward takes its inputs by
+            position, in ``placeholders[i]``'s order.
+        placeholders: each stage's input names (its graph's placeholders; the generated
+            forward may call a parameter otherwise: one named like a builtin, ``input``,
+            is the placeholder ``input_1``).
         sources: each stage's inputs, as :class:`Source` records (same order).
         output: where the model's output comes from (the last stage).
         tied: groups of ``{stage: parameter name}`` that are one parameter of the model
@@ -113,9 +115,9 @@ class TracedModel:
         cut, so autograd flows through the whole model)."""
         self.check_inputs(inputs)
         outputs: list[Any] = []
-        for stage, names, sources in zip(self.stages, self.placeholders, self.sources, strict=True):
-            args = {n: resolve(s, inputs, outputs) for n, s in zip(names, sources, strict=True)}
-            outputs.append(stage(**args))
+        for stage, sources in zip(self.stages, self.sources, strict=True):
+            # by position (see TracedStage.forward)
+            outputs.append(stage(*[resolve(s, inputs, outputs) for s in sources]))
         return resolve(self.output, inputs, outputs)
 
 
@@ -191,9 +193,7 @@ def trace_model(
     stages = [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
     for stage in stages:
         _prune_unused(stage)
-        for m in stage.modules():
-            if hasattr(m, "_run_with_interpreter"):  # torch's InterpreterModule
-                m.__dict__["_run_with_interpreter"] = False
+        _generated_code(stage)
     placeholders, sources, output = _wiring(pipe.split_gm.graph, stages)
     tied = [
         {int(sub.rsplit("_", 1)[1]): name for sub, name in group.items()}
@@ -211,6 +211,28 @@ def trace_model(
         ],
         signature={k: (tuple(v.shape), v.dtype) for k, v in example_inputs.items()},
     )
+
+
+def _generated_code(stage: nn.Module) -> None:
+    """Run the stage's submodules as generated code rather than through torch's node-by-node
+    interpreter (see Speed in the module docstring).
+
+    The generated ``forward(self, ...)`` names each value after its node, and a call of a
+    submodule named ``self`` (HuggingFace BERT's ``attention.self``) is a node named
+    ``self``: its result would overwrite the module in the generated code ("'Tensor' object
+    has no attribute 'output'"). Such nodes are renamed first (the interpreter never minded).
+    """
+    for m in stage.modules():
+        if not hasattr(m, "_run_with_interpreter"):  # not torch's InterpreterModule
+            continue
+        graph = getattr(m, "graph", None)
+        clashing = [n for n in graph.nodes if n.name == "self"] if graph is not None else []
+        for node in clashing:
+            node._rename("self_module")  # the graph's namespace keeps it unique
+        code = getattr(m, "graph_module", None)
+        if clashing and isinstance(code, fx.GraphModule):
+            code.recompile()
+        m.__dict__["_run_with_interpreter"] = False
 
 
 def retarget(stage: nn.Module, device: torch.device) -> None:

@@ -34,7 +34,7 @@ class TracedStage(nn.Module):
 
     Args:
         stage: the stage's graph module.
-        names: its inputs' names; ``sources``: where each comes from.
+        sources: where each of its inputs comes from, in its parameters' order.
         received: the values arriving from the previous stage, in message order.
         sent: the values handed to the next stage (the last stage: ``[output]``).
         index: the stage number.
@@ -45,7 +45,6 @@ class TracedStage(nn.Module):
     def __init__(
         self,
         stage: nn.Module,
-        names: Sequence[str],
         sources: Sequence[Source],
         received: Sequence[Value],
         sent: Sequence[Value],
@@ -57,7 +56,6 @@ class TracedStage(nn.Module):
         self.stage = stage
         self.index = index
         self.in_codec, self.out_codec = in_codec, out_codec
-        self._names = list(names)
         self._sources = list(sources)
         self._position = {v: i for i, v in enumerate(received)}
         self._sent = list(sent)
@@ -65,13 +63,16 @@ class TracedStage(nn.Module):
     def forward(
         self, received: Sequence[torch.Tensor], inputs: Mapping[str, torch.Tensor]
     ) -> tuple[torch.Tensor, ...]:
-        args = {}
-        for name, source in zip(self._names, self._sources, strict=True):
-            if source.stage is None:
-                args[name] = inputs[source.name]
-            else:
-                args[name] = received[self._position[(source.stage, source.index)]]
-        out = self.stage(**args)
+        # by position, in placeholder order: a generated forward may name a parameter other
+        # than its placeholder (a model input called ``input``, a builtin's name, becomes
+        # the placeholder ``input_1`` and the parameter ``input``)
+        args = [
+            inputs[source.name]
+            if source.stage is None
+            else received[self._position[(source.stage, source.index)]]
+            for source in self._sources
+        ]
+        out = self.stage(*args)
         values = []
         for made_by, index in self._sent:
             if made_by == self.index:
@@ -127,7 +128,7 @@ def traced_stages(traced: TracedModel, stages: Sequence[int]) -> dict[int, Trace
         received = boundaries[s - 1] if s else []
         sent = boundaries[s] if s < d - 1 else [(traced.output.stage or 0, traced.output.index)]
         out[s] = TracedStage(
-            traced.stages[s], traced.placeholders[s], traced.sources[s], received, sent, s,
+            traced.stages[s], traced.sources[s], received, sent, s,
             in_codec=codec_of([likes[v] for v in received]) if s else None,
             out_codec=codec_of([likes[v] for v in sent]) if s < d - 1 else None,
         )  # fmt: skip
