@@ -31,6 +31,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from syncline.errors import ConfigError
+from syncline.fields import check_int
 
 __all__ = ["balance", "balance_with_memory", "check_balance", "stage_bounds"]
 
@@ -49,8 +50,7 @@ def _check_values(name: str, values: Sequence[float]) -> list[float]:
 
 
 def _check_stages(num_layers: int, num_stages: int) -> None:
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages <= 0:
-        raise ConfigError(f"num_stages={num_stages!r} is invalid; valid: an int >= 1")
+    check_int("num_stages", num_stages)
     if num_layers == 0:
         raise ConfigError("no layers to balance; valid: at least one layer cost")
     if num_stages > num_layers:

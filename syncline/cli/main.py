@@ -20,12 +20,14 @@ from syncline.cli.options import add_config_options, values_from
 from syncline.cli.plan import add_plan_options, cmd_plan, plan_doc
 from syncline.cli.report import REPORT_DOC, add_report_options, cmd_report
 from syncline.errors import CommError, ConfigError
+from syncline.fields import flatten
 from syncline.launch import devices
 from syncline.launch.devices import default_nproc_per_node, refuse_emulated_nccl, resolved_backend
 from syncline.registry import import_plugins
 from syncline.train.config import TrainConfig
 
 _D = TrainConfig()  # defaults, shown in --help
+_FLAT_D = _D.to_flat_dict()
 
 DESCRIPTION = """\
 Train a registered model with syncline's data parallelism, or as a pipeline
@@ -148,7 +150,7 @@ def config_from_args(ns: argparse.Namespace, *, planning: bool = False) -> Train
         raise ConfigError(f"nproc_per_node={nproc} is more than this node allows ({limit}: {why})")
     from syncline.train.preflight import check_run
 
-    return check_run(TrainConfig(**values))  # compressor ranges, data files, user factories
+    return check_run(TrainConfig.from_flat(**values))  # compressor ranges, files, factories
 
 
 # what a resumed run may set again: the length of the run, how it is launched and logged,
@@ -196,15 +198,18 @@ def _resumed_values(given: dict[str, object]) -> dict[str, object]:
     run = Path(str(given["resume"]))
     path = run / "config.json"
     try:
-        stored = json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ConfigError(f"resume={str(run)!r}: cannot read {path} ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"resume={str(run)!r}: {path} is not a JSON object")
+    stored = flatten(TrainConfig, data)  # the parts nested, or the flat form of older runs
     for key, value in given.items():
         if key in _MAY_CHANGE_ON_RESUME:
             continue
         if key == "run_dir" and Path(str(value)).resolve() == run.resolve():
             continue  # the run continues where it lies, also after the directory moved
-        mine = TrainConfig.from_dict({**stored, key: value}).to_dict()[key]
+        mine = TrainConfig.from_flat(**{**stored, key: value}).to_flat_dict()[key]
         if mine != stored.get(key):
             raise ConfigError(
                 f"resume={str(run)!r}: {key}={value!r} differs from the run's "
@@ -230,7 +235,7 @@ def _resumed_values(given: dict[str, object]) -> dict[str, object]:
     if merged.get("pipeline_stages", 1) == 1:  # resharded onto data parallelism
         for key in ("schedule", "microbatches", "balance", "recompute", "split_points"):
             if key not in given:
-                merged[key] = getattr(_D, key)
+                merged[key] = _FLAT_D[key]
     elif "pipeline_stages" in given and "balance" not in given:
         merged["balance"] = None  # the old split does not fit the new number of stages
     return merged
@@ -263,23 +268,24 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
     run_dir = prepare_run_dir(cfg)
     config_path = run_dir / "config.json"
+    p, optim = cfg.pipeline, cfg.optim
     pipeline = (
-        f", pipeline of {cfg.pipeline_stages} stages ({cfg.schedule}, "
-        f"{cfg.microbatches} micro-batches{', recompute' if cfg.recompute else ''})"
-        if cfg.pipelined
+        f", pipeline of {p.pipeline_stages} stages ({p.schedule}, "
+        f"{p.microbatches} micro-batches{', recompute' if p.recompute else ''})"
+        if p.pipelined
         else ""
     )
     print(
         f"syncline train: {cfg.model} on {cfg.dataset}, {cfg.world_size} rank(s){pipeline}, "
         f"global batch {cfg.batch_size}, {cfg.steps} steps -> {run_dir}\n"
-        f"optimizer {cfg.optimizer}, peak learning rate {cfg.peak_lr:.6g}"
+        f"optimizer {optim.optimizer}, peak learning rate {cfg.peak_lr:.6g}"
         + (
-            f" (lr {cfg.lr:g} x {cfg.lr_scaling} scaling from batch {cfg.base_batch_size} "
-            f"to {cfg.batch_size})"
-            if cfg.lr_scaling != "none" and cfg.base_batch_size not in (None, cfg.batch_size)
+            f" (lr {optim.lr:g} x {optim.lr_scaling} scaling from batch "
+            f"{optim.base_batch_size} to {cfg.batch_size})"
+            if optim.lr_scaling != "none" and optim.base_batch_size not in (None, cfg.batch_size)
             else ""
         )
-        + f", warm-up {cfg.warmup_steps} steps",
+        + f", warm-up {optim.warmup_steps} steps",
         flush=True,
     )
     spec = LaunchSpec(
@@ -291,7 +297,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
         rdzv_endpoint=cfg.rdzv_endpoint,
         threads_per_rank=cfg.threads,
         log_dir=str(run_dir / "logs"),
-        max_restarts=cfg.max_restarts,
+        max_restarts=cfg.checkpoint.max_restarts,
     )
     if cfg.emulate_network:
         from syncline.launch.emulated import launch_emulated

@@ -1,6 +1,8 @@
 """The ``syncline train`` options, generated from :class:`~syncline.train.config.TrainConfig`.
 
-Each flag's type, default and help come from its config field (the docstring under it), the
+One flag per setting of the composed config, parts included (``--lr`` from
+``TrainConfig.optim``), under the setting's flat name. Each flag's type, default and help
+come from its config field (the docstring under it, in the part that owns it), the
 choices from the registries, and each registered model's own flags from its config class, so
 the command line cannot drift from the code it configures. Why not a library (``tyro``,
 ``simple-parsing``): they would decide the error format and exit codes, which ``syncline``
@@ -15,7 +17,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from syncline.fields import CliOption, cli_option, field_docs
+from syncline.fields import CliOption, Leaf, cli_option, field_docs, leaves
 from syncline.models.registry import MODELS
 from syncline.train.config import TrainConfig
 
@@ -83,23 +85,35 @@ def _kwargs_for(f: dataclasses.Field[Any], opt: CliOption) -> dict[str, Any]:
     return kwargs
 
 
+def help_order(found: tuple[Leaf, ...]) -> list[Leaf]:
+    """The settings in declaration order, each with ``listed_after`` moved behind that one."""
+    order = [leaf for leaf in found if cli_option(leaf.field).listed_after is None]
+    for leaf in found:
+        after = cli_option(leaf.field).listed_after
+        if after is not None:
+            at = next(i for i, o in enumerate(order) if o.name == after)
+            order.insert(at + 1, leaf)
+    return order
+
+
 def add_config_options(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per :class:`TrainConfig` field, grouped, then the models' own flags."""
-    docs = field_docs(TrainConfig)
+    """Add one flag per :class:`TrainConfig` setting, grouped, then the models' own flags."""
     groups: dict[str, Any] = {}
-    for f in dataclasses.fields(TrainConfig):
-        opt = cli_option(f)
+    for leaf in help_order(leaves(TrainConfig)):
+        f, opt = leaf.field, cli_option(leaf.field)
         if opt.hidden:
             continue
-        doc = field_docs(opt.help_from).get(f.name, "") if opt.help_from else docs.get(f.name, "")
+        doc = field_docs(opt.help_from or leaf.owner).get(f.name, "")
         help_text = _help_text(doc)
         if opt.choices is not None:
             help_text += f" Valid: {', '.join(opt.choices())}."
         help_text += f" (default: {_help_text(_default_text(f, opt))})"
-        group = groups.setdefault(opt.group, parser.add_argument_group(opt.group))
+        if opt.group not in groups:
+            groups[opt.group] = parser.add_argument_group(opt.group)
+        group = groups[opt.group]
         flags = opt.flags or (f"--{f.name.replace('_', '-')}",)
         group.add_argument(*flags, dest=f.name, help=help_text, **_kwargs_for(f, opt))
-    _add_model_flags(groups.setdefault("model and data", parser.add_argument_group("models")))
+    _add_model_flags(groups.get("model and data") or parser.add_argument_group("models"))
 
 
 def _add_model_flags(group: Any) -> None:
@@ -126,8 +140,9 @@ def _add_model_flags(group: Any) -> None:
 
 
 def values_from(ns: argparse.Namespace) -> dict[str, Any]:
-    """The :class:`TrainConfig` keyword arguments the user gave (others keep defaults)."""
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    """The settings the user gave, by flat name, for :meth:`TrainConfig.from_flat` (the
+    others keep their defaults)."""
+    names = {leaf.name for leaf in leaves(TrainConfig)}
     values: dict[str, Any] = {}
     options: dict[str, Any] = {}
     for key, value in vars(ns).items():

@@ -19,11 +19,15 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from syncline.errors import ConfigError
+from syncline.fields import check_int
 from syncline.launch import devices
 from syncline.launch.devices import device_kind, resolved_backend
+
+if TYPE_CHECKING:
+    from syncline.train.config import TrainConfig
 
 
 def plan_doc() -> str:
@@ -75,7 +79,7 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _model_args(cfg: Any) -> list[str]:
+def _model_args(cfg: TrainConfig) -> list[str]:
     """The ``syncline train`` options that select ``cfg``'s model, data and optimizer."""
     args = [f"--model={cfg.model}", f"--seq-len={cfg.seq_len}"]
     if cfg.data is not None:
@@ -84,7 +88,7 @@ def _model_args(cfg: Any) -> list[str]:
     return args
 
 
-def run_profile(cfg: Any, out: Path) -> Path:
+def run_profile(cfg: TrainConfig, out: Path) -> Path:
     """Launch the profile ranks (``syncline.train.plan_profile``) through torchrun."""
     from syncline.launch.torchrun import LaunchSpec, launch
 
@@ -141,7 +145,7 @@ def profile_memory_line(profile: dict[str, Any]) -> str:
     )
 
 
-def _costs_for(cfg: Any, ns: argparse.Namespace, cluster: Any, profile: Path | None) -> Any:
+def _costs_for(cfg: TrainConfig, ns: argparse.Namespace, cluster: Any, profile: Path | None) -> Any:
     from syncline.planner import ModelCosts, transformer_costs
 
     source = ns.costs or (str(profile) if profile else None) or ns.cluster
@@ -170,19 +174,17 @@ def _costs_for(cfg: Any, ns: argparse.Namespace, cluster: Any, profile: Path | N
     )
 
 
-def plan(cfg: Any, ns: argparse.Namespace) -> tuple[dict[str, Any], str]:
+def plan(cfg: TrainConfig, ns: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """Run the planner for ``cfg``'s model; returns the JSON document and the table text."""
     from syncline.planner import Cluster, SearchSpace, parse_size, search, table, to_json
 
     # Everything the user typed is checked before a rank is launched.
     ranks = ns.ranks if ns.ranks is not None else cfg.world_size
-    if ranks < 1:
-        raise ConfigError(f"--ranks={ranks} is invalid; valid: an int >= 1")
+    check_int("--ranks", ranks)
     memory = None
     if ns.memory_per_rank is not None:
         memory = parse_size(ns.memory_per_rank, "--memory-per-rank")
-    if ns.top < 1:
-        raise ConfigError(f"--top={ns.top} is invalid; valid: an int >= 1")
+    check_int("--top", ns.top)
     if not ns.profile and ns.cluster is None:
         raise ConfigError("no cluster: give --profile (measure this machine) or --cluster FILE")
     for flag, path in (("--cluster", ns.cluster), ("--costs", ns.costs)):
@@ -194,7 +196,7 @@ def plan(cfg: Any, ns: argparse.Namespace) -> tuple[dict[str, Any], str]:
     if memory is not None:
         cluster = cluster.with_memory(memory)
     costs = _costs_for(cfg, ns, cluster, profile)
-    space = SearchSpace(ranks=ranks, batch_size=cfg.batch_size, optimizer=cfg.optimizer)
+    space = SearchSpace(ranks=ranks, batch_size=cfg.batch_size, optimizer=cfg.optim.optimizer)
     found = search(space, costs, cluster)
     extra = [f"--emulate-network={cfg.emulate_network}"] if cfg.emulate_network else []
     document = to_json(found, cluster, _model_args(cfg))
@@ -213,7 +215,7 @@ def plan(cfg: Any, ns: argparse.Namespace) -> tuple[dict[str, Any], str]:
     return document, title + "\n" + table(found, ns.top)
 
 
-def cmd_plan(cfg: Any, ns: argparse.Namespace) -> int:
+def cmd_plan(cfg: TrainConfig, ns: argparse.Namespace) -> int:
     document, text = plan(cfg, ns)
     if ns.json:
         print(json.dumps(document, indent=2))

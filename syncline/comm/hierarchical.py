@@ -67,6 +67,7 @@ from syncline.comm.topology import (
     subgroup_topology,
 )
 from syncline.errors import CommError, ConfigError
+from syncline.fields import check_float
 
 
 @dataclass
@@ -115,8 +116,7 @@ class HierarchicalAllreduce:
     ) -> None:
         if not isinstance(topology, Topology):
             raise ConfigError(f"topology={topology!r} must be a Topology")
-        if not timeout_s > 0:
-            raise ConfigError(f"timeout_s={timeout_s} must be > 0")
+        check_float("timeout_s", timeout_s, above=0, finite=False)
         self._topology = topology
         self._timeout_s = float(timeout_s)
         # a subgroup (a pipeline stage's replicas): one block of ``partition``, the groups

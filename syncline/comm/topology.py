@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from syncline.errors import ConfigError
+from syncline.fields import check_float, check_int
 
 Ranks = tuple[int, ...]
 
@@ -62,9 +63,7 @@ class Topology:
 
     def __post_init__(self) -> None:
         for name in ("world_size", "ranks_per_node"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"Topology: {name}={value!r} must be an integer >= 1")
+            check_int(f"Topology: {name}", getattr(self, name))
         if self.world_size % self.ranks_per_node:
             raise ConfigError(
                 f"Topology: world_size={self.world_size} is not a multiple of "
@@ -155,9 +154,7 @@ class PipelineLayout:
 
     def __post_init__(self) -> None:
         for name in ("world_size", "num_stages"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"PipelineLayout: {name}={value!r} must be an integer >= 1")
+            check_int(f"PipelineLayout: {name}", getattr(self, name))
         if self.world_size % self.num_stages:
             raise ConfigError(
                 f"world_size={self.world_size} is not divisible by num_stages="
@@ -227,10 +224,8 @@ def _parse_int(name: str, value: int | str) -> int:
 
 
 def _check_cost_args(nbytes: float, p: int) -> None:
-    if nbytes < 0:
-        raise ConfigError(f"nbytes={nbytes} must be >= 0")
-    if p < 1:
-        raise ConfigError(f"p={p} must be >= 1")
+    check_float("nbytes", nbytes, at_least=0, finite=False)
+    check_int("p", p)
 
 
 def ring_allreduce_time(nbytes: float, p: int, alpha: float, bandwidth: float) -> float:
@@ -245,8 +240,7 @@ def ring_allreduce_time(nbytes: float, p: int, alpha: float, bandwidth: float) -
         0.15006
     """
     _check_cost_args(nbytes, p)
-    if bandwidth <= 0:
-        raise ConfigError(f"bandwidth={bandwidth} must be > 0")
+    check_float("bandwidth", bandwidth, above=0, finite=False)
     if p == 1:
         return 0.0
     return 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes / bandwidth
@@ -290,8 +284,7 @@ def bus_bandwidth(nbytes: float, seconds: float, p: int) -> float:
         10000000000.0
     """
     _check_cost_args(nbytes, p)
-    if seconds <= 0:
-        raise ConfigError(f"seconds={seconds} must be > 0")
+    check_float("seconds", seconds, above=0, finite=False)
     return nbytes / seconds * 2 * (p - 1) / p
 
 

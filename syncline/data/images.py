@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from syncline.errors import ConfigError
+from syncline.fields import check_float, check_int
 
 __all__ = ["digits_dataset", "synthetic_images"]
 
@@ -69,10 +69,8 @@ def synthetic_images(
         ("num_classes", num_classes),
         ("channels", channels),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ConfigError(f"{name}={value!r} is invalid; valid: an int >= 1")
-    if not isinstance(noise, int | float) or noise < 0:
-        raise ConfigError(f"noise={noise!r} is invalid; valid: a number >= 0")
+        check_int(name, value)
+    check_float("noise", noise, at_least=0, finite=False)
     gen = torch.Generator().manual_seed(seed)
     shape = (channels, image_size, image_size)
     prototypes = torch.randn((num_classes, *shape), generator=gen)

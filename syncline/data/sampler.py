@@ -18,6 +18,7 @@ import torch
 
 from syncline.data.dataset import IndexedDataset
 from syncline.errors import ConfigError
+from syncline.fields import check_int
 
 __all__ = ["ShardedBatches", "step_seed"]
 
@@ -30,11 +31,6 @@ def step_seed(seed: int, step: int) -> int:
     """
     digest = hashlib.blake2b(f"syncline/{seed}/{step}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
-
-
-def _check_int(name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"{name}={value!r} is invalid; valid: an int >= {low}")
 
 
 class ShardedBatches:
@@ -73,8 +69,8 @@ class ShardedBatches:
         world_size: int,
         seed: int = 0,
     ) -> None:
-        _check_int("global_batch", global_batch, 1)
-        _check_int("world_size", world_size, 1)
+        check_int("global_batch", global_batch)
+        check_int("world_size", world_size)
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ConfigError(
                 f"rank={rank!r} is invalid for world_size={world_size}; "
@@ -98,7 +94,7 @@ class ShardedBatches:
 
     def global_indices(self, step: int) -> torch.Tensor:
         """The dataset indices of step ``step``'s whole global batch, LongTensor (B,)."""
-        _check_int("step", step, 0)
+        check_int("step", step, low=0)
         gen = torch.Generator().manual_seed(step_seed(self.seed, step))
         return torch.randint(len(self.dataset), (self.global_batch_size,), generator=gen)
 
@@ -117,7 +113,7 @@ class ShardedBatches:
 
     def batches(self, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's batches for steps ``start_step, start_step + 1, ...`` without end."""
-        _check_int("start_step", start_step, 0)
+        check_int("start_step", start_step, low=0)
         return (self.batch(step) for step in itertools.count(start_step))
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

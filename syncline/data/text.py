@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from syncline.errors import ConfigError
+from syncline.fields import check_int
 
 __all__ = ["ByteDataset", "stdlib_corpus", "stdlib_files"]
 
@@ -62,8 +63,7 @@ def stdlib_corpus(max_bytes: int = 4_000_000, include_tests: bool = False) -> by
         >>> len(stdlib_corpus(1000))
         1000
     """
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
-        raise ConfigError(f"max_bytes={max_bytes!r} is invalid; valid: an int >= 1")
+    check_int("max_bytes", max_bytes)
     chunks: list[bytes] = []
     total = 0
     for path in stdlib_files(include_tests):
@@ -107,8 +107,7 @@ class ByteDataset:
     """
 
     def __init__(self, data: bytes | bytearray | torch.Tensor, block_size: int) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-            raise ConfigError(f"block_size={block_size!r} is invalid; valid: an int >= 1")
+        check_int("block_size", block_size)
         if isinstance(data, bytes | bytearray):
             tokens = _bytes_to_tensor(data)
         elif isinstance(data, torch.Tensor):

@@ -17,6 +17,7 @@ _EXPORTS = {
     "NoCompression": "syncline.dp.compression",
     "DataParallel": "syncline.dp.engine",
     "DataParallelConfig": "syncline.dp.config",
+    "DataParallelSettings": "syncline.dp.config",
     "COMPRESSORS": "syncline.dp.registry",
     "CompressorSpec": "syncline.dp.registry",
     "build_compressor": "syncline.dp.registry",

@@ -1,17 +1,78 @@
-"""PURE: the settings of :class:`syncline.DataParallel`, each documented once."""
+"""PURE: the settings of :class:`syncline.DataParallel`, each documented once.
+
+Two dataclasses, because a setting is chosen in one form and run in another:
+
+- :class:`DataParallelSettings` is what a user chooses by name: a compressor spec, an
+  allreduce algorithm's name, bucket caps or "measured". It is the data-parallel part of
+  :class:`syncline.train.config.TrainConfig` (``cfg.dp``), from whose fields ``syncline
+  train``'s flags are generated; the trainer builds :class:`syncline.DataParallel`'s
+  arguments from it (the compressor and the collective from their registries).
+- :class:`DataParallelConfig` is what one engine runs with, resolved by its constructor
+  from those arguments: concrete caps, whether and how the buckets are tuned, DDP's
+  switches. Reusing it as the command line's part does not fit: its cap is a number where
+  the command line's may be "measured", and it holds no compressor or algorithm (the
+  engine is given objects for them, not names).
+
+The bucket caps appear in both, in two forms: here they may be left to be measured
+(``None``), there they are the sizes the engine cuts with. Every other setting is in one of
+the two. The waits' ``timeout_s`` and ``precision`` are the run's, not data parallelism's
+alone (a pipeline waits and casts too), so :class:`~syncline.train.config.TrainConfig`
+holds them and gives them to either engine.
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from syncline.errors import ConfigError
-from syncline.fields import check_positive
+from syncline.comm.registry import ALLREDUCE
+from syncline.dp.registry import COMPRESSORS, compressor_name, forms, parse
+from syncline.fields import check_float, check_int, option
 
-__all__ = ["PRECISIONS", "DataParallelConfig"]
+__all__ = ["GROUP", "PRECISIONS", "DataParallelConfig", "DataParallelSettings"]
 
 #: ``precision``: fp32, or autocast in bf16 / fp16 (fp32 master weights; fp16 loss-scaled)
 PRECISIONS = ("fp32", "bf16", "fp16")
+#: the ``--help`` section of :class:`DataParallelSettings`
+GROUP = "data parallelism"
+
+
+@dataclass(frozen=True)
+class DataParallelSettings:
+    """Data parallelism as ``syncline train`` chooses it: by names, the caps possibly measured.
+
+    Its compressor and allreduce algorithm also serve a pipeline's replicas (their REDUCE),
+    which are data-parallel copies of one stage.
+    """
+
+    bucket_cap_mb: float | None = option(None, group=GROUP, default_text="measured")
+    """Lazy-allreduce threshold in MiB. ``None``: measured: the engine tries a few bucket
+    plans during the first ~50 steps and keeps the fastest (stateless compressors only;
+    25 with one that keeps per-bucket state)."""
+    first_bucket_cap_mb: float | None = option(None, group=GROUP, default_text="1, as DDP")
+    """First bucket in MiB, small so communication starts early in backward."""
+    compression: str = option("none", group=GROUP, metavar="SPEC", choices=lambda: forms())
+    """Gradient compressor spec from the compressor registry, e.g. ``fp16`` or
+    ``csc:0.01:warmup=20``; with pipelines it compresses the replicas' REDUCE."""
+    allreduce: str = option("flat", group=GROUP, choices=ALLREDUCE.names)
+    """A registered allreduce algorithm: ``flat`` (one ring) or ``hierarchical``
+    (reduce-scatter in each node, allreduce across nodes, allgather in each node)."""
+    ranks_per_node: int | None = option(None, group=GROUP, default_text="torchrun's local world")
+    """Node size for ``hierarchical``; smaller values emulate several nodes on one machine."""
+
+    def __post_init__(self) -> None:
+        for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
+            if getattr(self, name) is not None:
+                check_float(name, getattr(self, name), above=0)
+        parse(self.compression)  # the name and the form; value ranges are the compressor's
+        ALLREDUCE.get(self.allreduce)
+        if self.ranks_per_node is not None:
+            check_int("ranks_per_node", self.ranks_per_node)
+
+    @property
+    def owns_momentum(self) -> bool:
+        """Whether the compressor applies momentum itself (so SGD must not)."""
+        return COMPRESSORS.get(compressor_name(self.compression)).owns_momentum
 
 
 @dataclass(frozen=True)
@@ -55,17 +116,14 @@ class DataParallelConfig:
     """The smallest even cap tried."""
 
     def __post_init__(self) -> None:
-        check_positive("bucket_cap_mb", self.bucket_cap_mb)
+        check_float("bucket_cap_mb", self.bucket_cap_mb, above=0)
         if self.first_bucket_cap_mb is not None:
-            check_positive("first_bucket_cap_mb", self.first_bucket_cap_mb)
-        check_positive("timeout_s", self.timeout_s)
-        check_positive("tune_min_bucket_mb", self.tune_min_bucket_mb)
-        if not self.tune_keep_margin >= 0:
-            raise ConfigError(f"tune_keep_margin={self.tune_keep_margin!r} must be >= 0")
+            check_float("first_bucket_cap_mb", self.first_bucket_cap_mb, above=0)
+        check_float("timeout_s", self.timeout_s, above=0)
+        check_float("tune_min_bucket_mb", self.tune_min_bucket_mb, above=0)
+        check_float("tune_keep_margin", self.tune_keep_margin, at_least=0, finite=False)
         for name in ("tune_steps_per_trial", "tune_rounds", "tune_final_rounds"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+            check_int(name, getattr(self, name))
 
     @property
     def cap_bytes(self) -> int:

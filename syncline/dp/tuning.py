@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from syncline.errors import ConfigError
+from syncline.fields import check_float, check_int
 
 if TYPE_CHECKING:
     from syncline.dp.compression import Compressor
@@ -67,8 +68,7 @@ def bucket_candidates(
         ("default_cap", default_cap),
         ("min_bytes", min_bytes),
     ):
-        if v <= 0:
-            raise ConfigError(f"bucket_candidates: {name}={v} must be > 0")
+        check_float(f"bucket_candidates: {name}", v, above=0, finite=False)
     first = min(default_first, default_cap)
     out = [
         BucketCandidate(first, default_cap, f"default ({_size(first)} + {_size(default_cap)})"),
@@ -101,13 +101,9 @@ class TuningSchedule:
     start_step: int
 
     def __post_init__(self) -> None:
-        if self.candidates < 1:
-            raise ConfigError(f"TuningSchedule: candidates={self.candidates} must be >= 1")
-        for name in ("steps_per_trial", "rounds"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"TuningSchedule: {name}={getattr(self, name)} must be >= 1")
-        if self.start_step < 0:
-            raise ConfigError(f"TuningSchedule: start_step={self.start_step} must be >= 0")
+        for name in ("candidates", "steps_per_trial", "rounds"):
+            check_int(f"TuningSchedule: {name}", getattr(self, name))
+        check_int("TuningSchedule: start_step", self.start_step, low=0)
 
     @property
     def end_step(self) -> int:

@@ -34,6 +34,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from syncline.errors import ConfigError
+from syncline.fields import check_int
 
 __all__ = [
     "HOST_IFNAME",
@@ -230,11 +231,6 @@ def cleanup_stale(prefix: str = DEFAULT_PREFIX) -> list[str]:
     return stale
 
 
-def _check_int(name: str, value: int, low: int, high: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ConfigError(f"{name} must be an int in {low}..{high}, got {value!r}")
-
-
 def _check_prefix(prefix: str) -> None:
     """Letters only, so the pid that follows the prefix in a name is unambiguous."""
     if not isinstance(prefix, str) or not _PREFIX_RE.match(prefix):
@@ -277,8 +273,8 @@ class EmulatedNetwork:
     def __init__(
         self, num_hosts: int, rate: str, *, subnet_id: int = 0, prefix: str = DEFAULT_PREFIX
     ) -> None:
-        _check_int("num_hosts", num_hosts, 1, _MAX_HOSTS)
-        _check_int("subnet_id", subnet_id, 0, 255)
+        check_int("num_hosts", num_hosts, low=1, high=_MAX_HOSTS)
+        check_int("subnet_id", subnet_id, low=0, high=255)
         _check_prefix(prefix)
         self.num_hosts = num_hosts
         self.rate_bps = parse_rate(rate)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from syncline.errors import ConfigError
+from syncline.fields import check_int
 
 __all__ = ["CNNConfig", "GPTConfig"]
 
@@ -36,9 +37,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"GPTConfig.{name}={value!r} is invalid; valid: an int >= 1")
+            check_int(f"GPTConfig.{name}", getattr(self, name))
         if self.n_embd % self.n_head != 0:
             raise ConfigError(
                 f"GPTConfig.n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
@@ -71,6 +70,4 @@ class CNNConfig:
 
     def __post_init__(self) -> None:
         for name in ("in_channels", "num_classes", "image_size", "width", "depth"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"CNNConfig.{name}={value!r} is invalid; valid: an int >= 1")
+            check_int(f"CNNConfig.{name}", getattr(self, name))

@@ -27,6 +27,7 @@ from typing import Any
 _EXPORTS = {
     "Pipeline": "syncline.pipeline.runtime",
     "PipelineConfig": "syncline.pipeline.config",
+    "PipelineSettings": "syncline.pipeline.config",
     "StageError": "syncline.pipeline.runtime",
     "StageMemoryStats": "syncline.pipeline.memory",
 }

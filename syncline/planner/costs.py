@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from syncline.errors import ConfigError
+from syncline.fields import check_float
 from syncline.planner.hardware import read_section
 
 __all__ = ["Affine", "LayerCost", "ModelCosts", "transformer_costs"]
@@ -69,9 +70,9 @@ class LayerCost:
                 object.__setattr__(self, name, Affine(**value))
         object.__setattr__(self, "matrices", tuple(tuple(m) for m in self.matrices))
         for name in ("params", "activation_bytes", "output_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-                raise ConfigError(f"layer {self.name!r}: {name}={value!r} must be >= 0")
+            check_float(
+                f"layer {self.name!r}: {name}", getattr(self, name), at_least=0, finite=False
+            )
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from syncline.errors import ConfigError
+from syncline.fields import check_float, check_int
 
 __all__ = ["Cluster", "Link", "parse_bandwidth", "parse_size"]
 
@@ -96,8 +97,7 @@ def parse_bandwidth(value: object, what: str = "bandwidth") -> float:
 
 
 def _check_nonnegative(what: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ConfigError(f"{what}={value!r} is invalid; valid: a number >= 0")
+    check_float(what, value, at_least=0, finite=False)
 
 
 @dataclass(frozen=True)
@@ -162,9 +162,7 @@ class Cluster:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError(f"cluster name={self.name!r} is invalid; valid: a non-empty string")
-        rpn = self.ranks_per_node
-        if isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1:
-            raise ConfigError(f"ranks_per_node={rpn!r} is invalid; valid: an int >= 1")
+        check_int("ranks_per_node", self.ranks_per_node)
         object.__setattr__(
             self, "memory_per_rank", parse_size(self.memory_per_rank, "memory_per_rank")
         )
@@ -186,9 +184,7 @@ class Cluster:
             "overlap_slowdown",
         ):
             _check_nonnegative(name, getattr(self, name))
-        ports = self.inter_ports_per_node
-        if isinstance(ports, bool) or not isinstance(ports, int) or ports < 1:
-            raise ConfigError(f"inter_ports_per_node={ports!r} is invalid; valid: an int >= 1")
+        check_int("inter_ports_per_node", self.inter_ports_per_node)
         for key, value in self.compress_s_per_byte.items():
             _check_nonnegative(f"compress_s_per_byte[{key!r}]", value)
         object.__setattr__(self, "compress_s_per_byte", dict(self.compress_s_per_byte))

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from syncline.dp.registry import COMPRESSORS, compressor_name
 from syncline.errors import ConfigError
+from syncline.fields import check_int
 from syncline.optim.registry import OPTIMIZERS
 from syncline.planner.costs import ModelCosts
 from syncline.planner.hardware import Cluster
@@ -59,9 +60,7 @@ class SearchSpace:
 
     def __post_init__(self) -> None:
         for name in ("ranks", "batch_size", "max_microbatches"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name}={value!r} is invalid; valid: an int >= 1")
+            check_int(name, getattr(self, name))
         for name in self.schedules:
             SCHEDULES.get(name)
         if OPTIMIZERS.get(self.optimizer).adaptive:  # a compressor's momentum: twice

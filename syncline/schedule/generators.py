@@ -45,6 +45,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from syncline.errors import ConfigError
+from syncline.fields import check_int
 from syncline.schedule.ir import Action, ActionKind, Schedule
 from syncline.schedule.passes import add_recompute
 
@@ -54,10 +55,7 @@ REDUCE, STEP = ActionKind.REDUCE, ActionKind.STEP
 
 def _check_positive(**values: int) -> None:
     for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{name}={value!r} must be an int >= 1")
-        if value < 1:
-            raise ConfigError(f"{name}={value} must be >= 1")
+        check_int(name, value)
 
 
 def _one_f_one_b_order(warmup: int, total: int) -> Iterator[tuple[ActionKind, int]]:

@@ -52,6 +52,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from syncline.errors import ConfigError
+from syncline.fields import check_int
 from syncline.schedule._engine import Key, execute
 from syncline.schedule._nccl_replay import Builder, Grouping, Replay, explain
 from syncline.schedule.ir import COMM, COMPUTE, Action, ActionKind, Schedule, ScheduleError
@@ -284,8 +285,7 @@ def _check_args(
     plan: Plan, replicas: int, streams: Sequence[str], kinds: Sequence[str] | None
 ) -> tuple[str, ...]:
     """Validate the arguments; the calls to replay."""
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-        raise ConfigError(f"replicas={replicas!r} must be an int >= 1")
+    check_int("replicas", replicas)
     if isinstance(streams, str) or not streams or not set(streams) <= set(STREAM_MODELS):
         raise ConfigError(f"streams={streams!r} must be a non-empty list of {STREAM_MODELS}")
     if kinds is None:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from syncline.errors import ConfigError
+from syncline.fields import check_int
 from syncline.registry import Registry
 from syncline.schedule.generators import gpipe, interleaved_1f1b, one_f_one_b
 from syncline.schedule.ir import Schedule
@@ -74,10 +75,7 @@ class ScheduleSpec:
                 f"schedule {self.name!r} needs exactly one of generate= (a flush schedule) "
                 "and plan= (the call slices of a schedule that is never flushed)"
             )
-        if isinstance(self.stages_per_rank, bool) or self.stages_per_rank < 1:
-            raise ConfigError(
-                f"schedule {self.name!r}: stages_per_rank={self.stages_per_rank!r} must be >= 1"
-            )
+        check_int(f"schedule {self.name!r}: stages_per_rank", self.stages_per_rank)
 
     @property
     def interleaved(self) -> bool:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from syncline.errors import ConfigError
+from syncline.fields import check_int
 
 
 class RankFailure(RuntimeError):
@@ -138,8 +139,7 @@ def run_ranks(
     Raises:
         RankFailure: naming the first rank that raised, died or did not finish in time.
     """
-    if world_size < 1:
-        raise ConfigError(f"world_size={world_size} must be >= 1")
+    check_int("world_size", world_size)
     ctx = _context(start_method)
     environ = dict(os.environ)
     workdir = tempfile.mkdtemp(prefix="syncline-ranks-")

@@ -32,7 +32,7 @@ def _training_rank(rank: int, world: int, values: dict[str, Any], attempt: int) 
     cfg = TrainConfig.from_dict(values)
     torch.set_num_threads(cfg.threads)
     _, device = rank_backend_and_device(cfg, rank)
-    per_node = cfg.ranks_per_node or world
+    per_node = cfg.dp.ranks_per_node or world
     return run_rank(cfg, rank, world, device, ranks_per_node=per_node, attempt=attempt)
 
 

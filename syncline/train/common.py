@@ -63,10 +63,10 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     """Linear warm-up (Goyal et al. 2017), then cosine decay to 10 % of the peak
     (``cfg.peak_lr``: ``lr`` scaled to the batch by ``lr_scaling``)."""
     peak = cfg.peak_lr
-    if step < cfg.warmup_steps:
-        return peak * (step + 1) / cfg.warmup_steps
-    span = max(1, cfg.steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    if step < cfg.optim.warmup_steps:
+        return peak * (step + 1) / cfg.optim.warmup_steps
+    span = max(1, cfg.steps - cfg.optim.warmup_steps)
+    progress = min(1.0, (step - cfg.optim.warmup_steps) / span)
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -131,9 +131,13 @@ def make_optimizer(
     CSC applies momentum *before* sparsification (momentum correction, Lin et al. 2018), so
     the optimizer must not apply it a second time.
     """
-    momentum = 0.0 if compressor is not None and cfg.owns_momentum else cfg.momentum
+    momentum = 0.0 if compressor is not None and cfg.dp.owns_momentum else cfg.optim.momentum
     opt: torch.optim.Optimizer = build_optimizer(
-        cfg.optimizer, params, lr=cfg.peak_lr, momentum=momentum, weight_decay=cfg.weight_decay
+        cfg.optim.optimizer,
+        params,
+        lr=cfg.peak_lr,
+        momentum=momentum,
+        weight_decay=cfg.optim.weight_decay,
     )
     return opt
 

@@ -1,35 +1,60 @@
 """PURE: ``TrainConfig``, everything ``syncline train`` needs, checked before any process starts.
 
+The config is composed, not copied: each layer's settings are a part owned and documented by
+that layer (``cfg.optim``: :class:`~syncline.optim.config.OptimConfig`; ``cfg.dp``:
+:class:`~syncline.dp.config.DataParallelSettings`; ``cfg.pipeline``:
+:class:`~syncline.pipeline.config.PipelineSettings`; ``cfg.checkpoint``:
+:class:`~syncline.train.checkpoint_config.CheckpointConfig`), and this class holds only what
+is the run's own: the model and data, the batch, steps and seed, the waits' timeout and the
+precision (both parallelisms use them), launch, output and validation. Each part checks its
+own values on creation; what spans parts (the batch against the ranks, the stages against
+the model's layers, a compressor's momentum against the optimizer's) is checked here.
+
 Each field is documented once, by the docstring under it; the command line is generated from
-these fields (:mod:`syncline.cli.options`), so defaults, help and checks cannot drift. Names
-of models, data sets, compressors, schedules and allreduce algorithms are checked against
-their registries, so a registered plug-in is accepted like a built-in.
+these fields and the parts' (:mod:`syncline.cli.options`), under the same flat names
+(``--lr``, not ``--optim-lr``), so defaults, help and checks cannot drift. Names of models,
+data sets, compressors, schedules and allreduce algorithms are checked against their
+registries, so a registered plug-in is accepted like a built-in.
+
+``config.json`` holds the parts as nested objects (:meth:`TrainConfig.to_dict`);
+:meth:`TrainConfig.from_dict` also reads the flat form earlier versions wrote, so their run
+directories resume.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from syncline.comm.registry import ALLREDUCE
 from syncline.data.registry import check_fits, data_forms
-from syncline.dp.config import PRECISIONS
-from syncline.dp.registry import COMPRESSORS, compressor_name, forms, parse
+from syncline.dp.config import GROUP as _DP
+from syncline.dp.config import PRECISIONS, DataParallelSettings
+from syncline.dp.registry import compressor_name, parse
 from syncline.errors import ConfigError
-from syncline.fields import check_positive, check_positive_int, option
+from syncline.fields import (
+    check_float,
+    check_int,
+    flatten,
+    from_flat,
+    leaves,
+    option,
+    part,
+    part_type,
+)
 from syncline.launch.devices import CPU_NPROC_PER_NODE, refuse_emulated_nccl
-from syncline.models.factory import check_split_points, split_names
+from syncline.models.factory import check_split_points
 from syncline.models.registry import ModelSpec, model_forms, model_spec
-from syncline.optim.registry import OPTIMIZERS
+from syncline.optim.config import GROUP as _OPT
+from syncline.optim.config import LR_SCALINGS, OptimConfig
 from syncline.partition import check_balance
-from syncline.pipeline.config import DEFAULT_SCHEDULE
-from syncline.schedule.registry import SCHEDULES, ScheduleSpec, check_microbatches
+from syncline.pipeline.config import PipelineSettings
+from syncline.train.checkpoint_config import CheckpointConfig
 
 __all__ = ["BACKENDS", "FAILURE_PHASES", "LR_SCALINGS", "PRECISIONS", "TrainConfig"]
 
-LR_SCALINGS = ("none", "linear", "sqrt")
 #: where ``--inject-failure RANK:STEP:PHASE`` strikes: ``start`` (exit code 17 before the
 #: step), or SIGKILL ``forward`` (inside the model's forward), ``allreduce`` (in backward,
 #: while the peers wait in the gradient allreduce; a pipeline with replicas: in its stage's
@@ -38,25 +63,17 @@ LR_SCALINGS = ("none", "linear", "sqrt")
 FAILURE_PHASES = ("start", "forward", "allreduce", "checkpoint")
 BACKENDS = ("auto", "gloo", "nccl")
 
-_MODEL, _OPT, _DP = "model and data", "optimisation", "data parallelism"
-_PP, _LAUNCH, _OUT = "pipeline parallelism", "launch (passed to torchrun)", "output"
-_CKPT = "checkpoints and failures"
+_MODEL, _LAUNCH, _OUT = "model and data", "launch (passed to torchrun)", "output"
 _EVAL = "validation"
-
-
-def _layers_per_stage(text: str) -> tuple[int, ...]:
-    """``--balance 2,3`` as ``(2, 3)``; sizes are checked against the model on creation."""
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise ValueError(
-            f"balance={text!r} is not a comma-separated list of layers per stage, e.g. 2,2"
-        ) from None
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Everything ``syncline train`` needs; saved as ``config.json`` in each run directory."""
+    """Everything ``syncline train`` needs; saved as ``config.json`` in each run directory.
+
+    Build it from parts (``TrainConfig(optim=OptimConfig(lr=0.01))``) or from flat names
+    (``TrainConfig.from_flat(lr=0.01)``, as the command line does).
+    """
 
     model: str = option("gpt", group=_MODEL, metavar="NAME", choices=model_forms)
     """A registered model (:data:`syncline.models.MODELS`): ``gpt`` (byte-level
@@ -85,76 +102,32 @@ class TrainConfig:
     """Global batch: samples per optimizer step over all ranks; must divide evenly."""
     steps: int = option(300, group=_OPT)
     """Optimizer steps."""
-    lr: float = option(3e-3, group=_OPT)
-    """Peak learning rate at ``base_batch_size`` (linear warm-up, then cosine decay to 10 %);
-    ``lr_scaling`` scales it to ``batch_size``."""
-    lr_scaling: str = option("none", group=_OPT, choices=lambda: LR_SCALINGS)
-    """How the peak learning rate follows the batch: ``none``; ``linear``: lr x batch_size /
-    base_batch_size (Goyal et al. 2017, for SGD and LARS, with warm-up); ``sqrt``: lr x
-    sqrt(batch_size / base_batch_size) (for Adam and LAMB, You et al. 2019). The resolved
-    value is printed at the start and saved in summary.json."""
-    base_batch_size: int | None = option(None, group=_OPT, default_text="batch_size")
-    """The global batch ``lr`` was tuned for."""
-    optimizer: str = option("adamw", group=_OPT, choices=OPTIMIZERS.names)
-    """A registered optimizer (:data:`syncline.optim.registry.OPTIMIZERS`): ``adamw``,
-    ``sgd``, ``lars`` (SGD with layer-wise trust ratios, You et al. 2017), ``lamb`` (Adam
-    with layer-wise trust ratios, You et al. 2019) or a plug-in's."""
-    precision: str = option("fp32", group=_OPT, choices=lambda: PRECISIONS)
+    optim: OptimConfig = part(OptimConfig)
+    """The optimizer and its learning-rate schedule."""
+    seed: int = option(0, group=_OPT)
+    """Seeds the model's initialisation and the data order (each rank derives its shard)."""
+    dp: DataParallelSettings = part(DataParallelSettings)
+    """Data parallelism: bucket caps, compressor, allreduce algorithm (a pipeline's replicas
+    use the compressor and the algorithm too)."""
+    timeout_s: float = option(
+        300.0,
+        group=_DP,
+        flags=("--timeout",),
+        metavar="SECONDS",
+        listed_after="first_bucket_cap_mb",
+    )
+    """Seconds any wait on another rank may take before it fails naming rank, step and
+    operation."""
+    precision: str = option(
+        "fp32", group=_OPT, choices=lambda: PRECISIONS, listed_after="optimizer"
+    )
     """``fp32``; ``bf16`` or ``fp16``: the forward and the loss under autocast, weights,
     gradients and optimizer state in fp32; fp16 scales the loss dynamically, every rank
     agreeing on each overflow (all skip that step; a pipeline's stages and replicas alike),
     the scale checkpointed. An error-feedback compressor (data parallelism or a pipeline's
     REDUCE) gets the gradients unscaled, infs zeroed and flagged for the verdict."""
-    momentum: float = option(0.9, group=_OPT)
-    """SGD and LARS momentum, in [0, 1); moves into the compressor when it applies momentum
-    itself."""
-    weight_decay: float = option(0.0, group=_OPT)
-    """Decoupled weight decay."""
-    warmup_steps: int = option(20, group=_OPT)
-    """Linear learning-rate warm-up steps (Goyal et al. 2017), then cosine decay."""
-    seed: int = option(0, group=_OPT)
-    """Seeds the model's initialisation and the data order (each rank derives its shard)."""
-    bucket_cap_mb: float | None = option(None, group=_DP, default_text="measured")
-    """Lazy-allreduce threshold in MiB. ``None``: measured: the engine tries a few bucket
-    plans during the first ~50 steps and keeps the fastest (stateless compressors only;
-    25 with one that keeps per-bucket state)."""
-    first_bucket_cap_mb: float | None = option(None, group=_DP, default_text="1, as DDP")
-    """First bucket in MiB, small so communication starts early in backward."""
-    timeout_s: float = option(300.0, group=_DP, flags=("--timeout",), metavar="SECONDS")
-    """Seconds any wait on another rank may take before it fails naming rank, step and
-    operation."""
-    compression: str = option("none", group=_DP, metavar="SPEC", choices=lambda: forms())
-    """Gradient compressor spec from the compressor registry, e.g. ``fp16`` or
-    ``csc:0.01:warmup=20``; with pipelines it compresses the replicas' REDUCE."""
-    allreduce: str = option("flat", group=_DP, choices=ALLREDUCE.names)
-    """A registered allreduce algorithm: ``flat`` (one ring) or ``hierarchical``
-    (reduce-scatter in each node, allreduce across nodes, allgather in each node)."""
-    ranks_per_node: int | None = option(None, group=_DP, default_text="torchrun's local world")
-    """Node size for ``hierarchical``; smaller values emulate several nodes on one machine."""
-    pipeline_stages: int = option(1, group=_PP, metavar="D")
-    """D, ranks per pipeline; 1 trains with data parallelism only. The world is D x
-    replicas (global rank = stage x replicas + replica)."""
-    microbatches: int | None = option(None, group=_PP, metavar="M", default_text="2 x D")
-    """Micro-batches per batch of a replica; must divide it; the schedule may constrain it."""
-    schedule: str | None = option(
-        None, group=_PP, metavar="NAME", choices=SCHEDULES.names, default_text=DEFAULT_SCHEDULE
-    )
-    """A registered pipeline schedule (:data:`syncline.schedule.SCHEDULES`)."""
-    recompute: bool = option(False, group=_PP)
-    """Keep only stage inputs and recompute each forward before its backward (less
-    activation memory, about one more forward of compute)."""
-    balance: tuple[int, ...] | None = option(
-        None, group=_PP, metavar="N,N,...", parse=_layers_per_stage, default_text="profiled"
-    )
-    """Layers per (virtual) stage, summing to the model's layers; ``None`` profiles the
-    layers on the first micro-batch and balances their times."""
-    split_points: tuple[str, ...] | None = option(
-        None, group=_PP, metavar="NAME,NAME", parse=split_names, default_text="none"
-    )
-    """For a factory's model that is no ``nn.Sequential``: the modules (names from
-    ``named_modules()``, e.g. ``transformer.h.2``) where stages 2, 3, ... begin; the model
-    is traced and cut there (torch's pipeline splitter), called as ``model(**{its forward's
-    first argument: inputs})``."""
+    pipeline: PipelineSettings = part(PipelineSettings)
+    """Pipeline parallelism: stages, micro-batches, schedule, recompute, balance."""
     nproc_per_node: int = option(
         CPU_NPROC_PER_NODE,
         group=_LAUNCH,
@@ -212,118 +185,70 @@ class TrainConfig:
     before the step, or with ``:PHASE`` die by SIGKILL inside it (``forward``,
     ``allreduce``, ``checkpoint``: after writing its part of the checkpoint the step ends
     with). Fires only in the first attempt, so a job restarted by ``max_restarts`` completes."""
-    checkpoint_every: int | None = option(None, group=_CKPT, metavar="N", default_text="100")
-    """Write a complete sharded checkpoint (every rank its part, in parallel, published
-    atomically) under RUN_DIR/checkpoints every N steps and after the last step; 0: only
-    the final checkpoint.pt.
-    2BW flushes at these steps (the batch after one starts on the newest weights, as the
-    first batch does), so the checkpoint holds one weight version and nothing in flight."""
-    keep_checkpoints: int = option(2, group=_CKPT, metavar="K")
-    """How many of the newest periodic checkpoints to keep."""
-    resume: str | None = option(None, group=_CKPT, metavar="RUN_DIR")
-    """Continue the run in RUN_DIR from its newest complete checkpoint, with its own
-    config.json; only ``steps`` (to extend the run) and launch/output settings may be given
-    again. The continuation is bit-identical to an uninterrupted run."""
-    max_restarts: int = option(0, group=_CKPT, metavar="K")
-    """Let torchrun restart every worker up to K times after a failure; restarted workers
-    resume from the newest checkpoint by themselves."""
+    checkpoint: CheckpointConfig = part(CheckpointConfig)
+    """Periodic checkpoints, resuming, restarts after a failure."""
 
     def __post_init__(self) -> None:
+        self._check_parts()
         spec = self.model_spec
         check_fits(self.data, self.model, spec.datasets, spec.any_data)
         for name in ("nproc_per_node", "nnodes", "batch_size", "steps", "seq_len", "threads"):
-            check_positive_int(name, getattr(self, name))
-        for name in ("log_every", "pipeline_stages", "keep_checkpoints", "eval_batches"):
-            check_positive_int(name, getattr(self, name))
+            check_int(name, getattr(self, name))
+        for name in ("log_every", "eval_batches"):
+            check_int(name, getattr(self, name))
         self._check_validation()
-        for name in ("checkpoint_every", "max_restarts"):
-            value = getattr(self, name)
-            if value is None and name == "checkpoint_every":
-                continue  # resolved once the schedule is known
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"{name}={value!r} must be an integer >= 0")
         object.__setattr__(self, "plugins", tuple(self.plugins))
         object.__setattr__(self, "model_options", spec.coerce_options(self.model_options))
         self.model_config()  # the model's own checks (unknown options, n_embd % n_head, ...)
-        for name in ("lr", "timeout_s"):
-            check_positive(name, getattr(self, name))
-        for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
-            if getattr(self, name) is not None:
-                check_positive(name, getattr(self, name))
-        if not 0 <= self.momentum < 1:
-            raise ConfigError(f"momentum={self.momentum!r} must be in [0, 1)")
-        if not 0 <= self.weight_decay < math.inf or self.warmup_steps < 0:
-            raise ConfigError(
-                f"weight_decay={self.weight_decay!r} and warmup_steps={self.warmup_steps!r} "
-                "must be >= 0 (and finite)"
-            )
-        if self.pipeline_stages > 1:
+        check_float("timeout_s", self.timeout_s, above=0)
+        if self.pipeline.pipelined:
             self._check_pipeline()
-        elif self.microbatches is not None or any(
-            (self.schedule, self.recompute, self.balance, self.split_points)
-        ):
-            raise ConfigError(
-                "microbatches, schedule, recompute, balance and split_points need "
-                "pipeline_stages > 1 "
-                f"(got pipeline_stages={self.pipeline_stages}); add --pipeline-stages D"
-            )
         elif self.batch_size % self.world_size:
             raise ConfigError(
                 f"batch_size={self.batch_size} is not divisible by the number of ranks "
                 f"{self.world_size} (nnodes={self.nnodes} x nproc_per_node="
                 f"{self.nproc_per_node}); use a multiple of {self.world_size}"
             )
-        self._check_checkpoints()
         self._check_launch()
-        if self.lr_scaling not in LR_SCALINGS:
-            raise ConfigError(
-                f"lr_scaling={self.lr_scaling!r} is not known; valid: {', '.join(LR_SCALINGS)}"
-            )
-        if self.base_batch_size is not None:
-            check_positive_int("base_batch_size", self.base_batch_size)
-        adaptive = OPTIMIZERS.get(self.optimizer).adaptive
-        entry, args = parse(self.compression)  # value ranges are the compressor's to check
-        self._check_precision()
-        if entry.owns_momentum and args.get("momentum") != 0 and adaptive:
-            raise ConfigError(
-                f"compression={self.compression!r} applies momentum itself (momentum "
-                f"correction) and optimizer={self.optimizer!r} applies its own first moment "
-                "on top: momentum twice. Valid: --optimizer sgd or lars (their momentum moves "
-                "into the compressor), or add :momentum=0 to the spec (error feedback alone, "
-                f"{self.optimizer} keeps its moments)"
-            )
-
-    def _check_precision(self) -> None:
         if self.precision not in PRECISIONS:
             raise ConfigError(
                 f"precision={self.precision!r} is unknown; valid: {', '.join(PRECISIONS)}"
             )
+        entry, args = parse(self.dp.compression)  # value ranges are the compressor's to check
+        if entry.owns_momentum and args.get("momentum") != 0 and self.optim.adaptive:
+            optimizer = self.optim.optimizer
+            raise ConfigError(
+                f"compression={self.dp.compression!r} applies momentum itself (momentum "
+                f"correction) and optimizer={optimizer!r} applies its own first moment "
+                "on top: momentum twice. Valid: --optimizer sgd or lars (their momentum moves "
+                "into the compressor), or add :momentum=0 to the spec (error feedback alone, "
+                f"{optimizer} keeps its moments)"
+            )
+
+    def _check_parts(self) -> None:
+        """Each part is its own config class (a dict would skip its checks)."""
+        for f in dataclasses.fields(self):
+            value, kind = getattr(self, f.name), part_type(f)
+            if kind is not None and not isinstance(value, kind):
+                raise ConfigError(
+                    f"{f.name}={value!r} is invalid; valid: an instance of {kind.__name__} (or "
+                    "TrainConfig.from_flat / from_dict, which build the parts)"
+                )
 
     def _check_validation(self) -> None:
-        f, every = self.val_fraction, self.eval_every
-        if isinstance(f, bool) or not isinstance(f, int | float) or not 0 <= f <= 0.5:
-            raise ConfigError(f"val_fraction={f!r} is invalid; valid: a number in [0, 0.5]")
-        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-            raise ConfigError(f"eval_every={every!r} is invalid; valid: an integer >= 0")
-        tokens = self.sample_tokens
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise ConfigError(f"sample_tokens={tokens!r} is invalid; valid: an integer >= 0")
+        check_float("val_fraction", self.val_fraction, at_least=0, at_most=0.5)
+        check_int("eval_every", self.eval_every, low=0)
+        check_int("sample_tokens", self.sample_tokens, low=0)
         if not isinstance(self.tensorboard, bool):
             raise ConfigError(f"tensorboard={self.tensorboard!r} is invalid; valid: true or false")
-        if every and not f:
+        if self.eval_every and not self.val_fraction:
             raise ConfigError(
-                f"eval_every={every} needs held-out data but val_fraction=0; valid: "
+                f"eval_every={self.eval_every} needs held-out data but val_fraction=0; valid: "
                 "val_fraction > 0, or eval_every=0"
             )
 
-    def _check_checkpoints(self) -> None:
-        """Resolve ``checkpoint_every`` (None: every 100 steps)."""
-        if self.checkpoint_every is None:
-            object.__setattr__(self, "checkpoint_every", 100)
-
     def _check_launch(self) -> None:
-        if not 0 <= self.node_rank < self.nnodes:
-            raise ConfigError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
+        check_int("node_rank", self.node_rank, low=0, high=self.nnodes - 1)
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ConfigError(f"nnodes={self.nnodes} needs --rdzv-endpoint HOST:PORT")
         if self.backend not in BACKENDS:
@@ -332,31 +257,19 @@ class TrainConfig:
             refuse_emulated_nccl(self.emulate_network, "given")
         if self.inject_failure is not None:
             self.failure_point()
-        ALLREDUCE.get(self.allreduce)
-        if self.ranks_per_node is not None and (
-            self.ranks_per_node <= 0 or self.world_size % self.ranks_per_node
-        ):
+        per_node = self.dp.ranks_per_node
+        if per_node is not None and self.world_size % per_node:
             raise ConfigError(
-                f"ranks_per_node={self.ranks_per_node} must be positive and divide the "
-                f"{self.world_size} ranks"
+                f"ranks_per_node={per_node} must be positive and divide the {self.world_size} ranks"
             )
 
     def _check_pipeline(self) -> None:
-        """Resolve the pipeline defaults and check them against the model and the ranks."""
-        d, world = self.pipeline_stages, self.world_size
-        schedule = self.schedule or DEFAULT_SCHEDULE
-        SCHEDULES.get(schedule)
-        m = 2 * d if self.microbatches is None else self.microbatches
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise ConfigError(f"microbatches={m!r} must be a positive integer")
-        object.__setattr__(self, "schedule", schedule)
-        object.__setattr__(self, "microbatches", m)
-        if self.balance is not None:
-            object.__setattr__(self, "balance", tuple(self.balance))
-        stages = self.virtual_stages
-        if self.split_points is not None:
-            object.__setattr__(self, "split_points", tuple(self.split_points))
-            check_split_points(self.split_points, self.model, stages, self.balance)
+        """Check the pipeline against the model, the ranks and the other parts."""
+        p, world = self.pipeline, self.world_size
+        d, m, stages = p.pipeline_stages, p.microbatches, p.virtual_stages
+        assert m is not None  # resolved by the part
+        if p.split_points is not None:
+            check_split_points(p.split_points, self.model, stages, p.balance)
         elif stages > (layers := self.model_layers):
             raise ConfigError(
                 f"pipeline_stages={d} needs {stages} stages but the {self.model} model has "
@@ -374,51 +287,34 @@ class TrainConfig:
                 f"batch_size={self.batch_size} over {replicas} replica(s) does not split into "
                 f"microbatches={m} equal micro-batches; use a multiple of {replicas * m}"
             )
-        check_microbatches(schedule, d, m, m_name="microbatches", d_name="pipeline_stages")
-        if self.balance is not None:
-            check_balance(list(self.balance), layers, stages)
-        if not ALLREDUCE.get(self.allreduce).with_pipelines:
+        if p.balance is not None:
+            check_balance(list(p.balance), layers, stages)
+        if not ALLREDUCE.get(self.dp.allreduce).with_pipelines:
             raise ConfigError(
-                f"allreduce={self.allreduce!r} does not combine with pipeline_stages={d} yet "
-                "(each stage's replicas reduce over one flat group); use --allreduce flat"
+                f"allreduce={self.dp.allreduce!r} does not combine with pipeline_stages={d} "
+                "yet (each stage's replicas reduce over one flat group); use --allreduce flat"
             )
-        if compressor_name(self.compression) != "none" and world == d:
+        if compressor_name(self.dp.compression) != "none" and world == d:
             raise ConfigError(
-                f"compression={self.compression!r} compresses the gradient allreduce of "
+                f"compression={self.dp.compression!r} compresses the gradient allreduce of "
                 f"data-parallel replicas, and pipeline_stages={d} on {world} ranks has none; "
                 f"use a multiple of {d} ranks (e.g. --nproc-per-node {2 * d}) or --compression none"
             )
 
     @property
     def peak_lr(self) -> float:
-        """The peak learning rate ``lr`` scaled from ``base_batch_size`` to ``batch_size``."""
-        ratio = self.batch_size / (self.base_batch_size or self.batch_size)
-        factor: float = {"none": 1.0, "linear": ratio, "sqrt": ratio**0.5}[self.lr_scaling]
-        return float(self.lr * factor)
+        """The peak learning rate ``optim.lr`` scaled from ``optim.base_batch_size`` to
+        ``batch_size`` (:meth:`OptimConfig.peak_lr`)."""
+        return self.optim.peak_lr(self.batch_size)
 
     @property
     def model_spec(self) -> ModelSpec:
         """The model's registry entry."""
         return model_spec(self.model)
 
-    @property
-    def schedule_spec(self) -> ScheduleSpec | None:
-        """The pipeline schedule's registry entry, or ``None`` without a pipeline."""
-        return SCHEDULES.get(self.schedule) if self.schedule else None
-
     def model_config(self) -> Any:
         """The model's shape config: its defaults, ``seq_len`` and ``model_options``."""
         return self.model_spec.make_config(self.model_options, self.seq_len)
-
-    @property
-    def owns_momentum(self) -> bool:
-        """Whether the compressor applies momentum itself (so SGD must not)."""
-        return COMPRESSORS.get(compressor_name(self.compression)).owns_momentum
-
-    @property
-    def pipelined(self) -> bool:
-        """Whether the model is split into a pipeline (``pipeline_stages > 1``)."""
-        return self.pipeline_stages > 1
 
     @property
     def model_layers(self) -> int:
@@ -436,16 +332,10 @@ class TrainConfig:
         return layers
 
     @property
-    def virtual_stages(self) -> int:
-        """Stages of the pipeline: ``pipeline_stages`` times the schedule's stages per rank."""
-        spec = self.schedule_spec
-        return self.pipeline_stages * (spec.stages_per_rank if spec else 1)
-
-    @property
     def pipeline_replicas(self) -> int:
         """Data-parallel replicas of each pipeline stage (1 without a pipeline: all ranks
         are replicas of one another then, see ``world_size``)."""
-        return self.world_size // self.pipeline_stages
+        return self.world_size // self.pipeline.pipeline_stages
 
     @property
     def world_size(self) -> int:
@@ -481,38 +371,61 @@ class TrainConfig:
                 f"inject_failure={self.inject_failure!r}: rank must be in [0, {self.world_size})"
                 f" and step in [0, steps={self.steps})"
             )
-        if phase == "allreduce" and self.pipeline_stages > 1 and self.pipeline_replicas == 1:
+        if phase == "allreduce" and self.pipeline.pipelined and self.pipeline_replicas == 1:
             raise ConfigError(
                 f"inject_failure={self.inject_failure!r}: a pipeline without replicas has no "
                 "allreduce; valid phases: start, forward, checkpoint (allreduce: with replicas)"
             )
         if phase == "checkpoint" and not self.checkpoint_due(step + 1):
+            every = self.checkpoint.checkpoint_every or 0
             raise ConfigError(
                 f"inject_failure={self.inject_failure!r}: no checkpoint is written at step "
-                f"{step} (checkpoint_every={self.checkpoint_every or 0}, steps={self.steps}); "
+                f"{step} (checkpoint_every={every}, steps={self.steps}); "
                 "valid: a STEP with STEP+1 a multiple of checkpoint_every, or the last step"
             )
         return rank, step, phase
 
     def checkpoint_due(self, done: int) -> bool:
-        """Whether a checkpoint is written once ``done`` steps are done: every
-        ``checkpoint_every`` steps and after the last one, so that ``--resume RUN_DIR --steps
-        N`` extends a finished run from its end instead of replaying its last steps."""
-        every = self.checkpoint_every or 0
-        return every > 0 and (done % every == 0 or done == self.steps)
+        """Whether a checkpoint is written once ``done`` steps are done
+        (:meth:`CheckpointConfig.due` over this run's ``steps``)."""
+        return self.checkpoint.due(done, self.steps)
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as JSON values (tuples as lists), as saved in ``config.json``."""
+        """The config as JSON values, as saved in ``config.json``: each part an object under
+        its name (``{"optim": {"lr": ...}, ...}``), tuples as lists."""
         out = asdict(self)
-        for name in ("balance", "plugins", "split_points"):
-            if out[name] is not None:
-                out[name] = list(out[name])
+        for leaf in leaves(type(self)):
+            holder = out
+            for key in leaf.path[:-1]:
+                holder = holder[key]
+            if isinstance(holder[leaf.name], tuple):
+                holder[leaf.name] = list(holder[leaf.name])
         return out
 
+    def to_flat_dict(self) -> dict[str, Any]:
+        """:meth:`to_dict` with every setting at the top, by its flat name (``lr``)."""
+        return flatten(type(self), self.to_dict())
+
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown config keys {unknown}; valid: {sorted(known)}")
-        return cls(**data)
+    def from_flat(cls, **values: Any) -> TrainConfig:
+        """A config from settings by flat name (``lr=0.01, pipeline_stages=2``), each given
+        to the part that owns it; the others keep their defaults.
+
+        Raises:
+            ConfigError: a name that is no setting (naming the valid ones), or a bad value.
+
+        Example:
+            >>> TrainConfig.from_flat(lr=0.01, pipeline_stages=2).pipeline.microbatches
+            4
+        """
+        return from_flat(cls, values)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainConfig:
+        """A config as :meth:`to_dict` wrote it, or in the flat form of earlier versions
+        (every setting at the top), which run directories written then still hold.
+
+        Raises:
+            ConfigError: an unknown key (naming the valid ones), or a bad value.
+        """
+        return cls.from_flat(**flatten(cls, data))

@@ -109,13 +109,13 @@ def train(
     """
     store = SnapshotStore(
         Path(cfg.run_dir) / "checkpoints",
-        keep=cfg.keep_checkpoints,
+        keep=cfg.checkpoint.keep_checkpoints,
         timeout_s=cfg.timeout_s,
         device=device,
     )
-    snap = store.latest() if cfg.resume is not None or attempt > 0 else None
+    snap = store.latest() if cfg.checkpoint.resume is not None or attempt > 0 else None
     runner: Runner
-    if cfg.pipelined:
+    if cfg.pipeline.pipelined:
         from syncline.train.pipeline_trainer import PipelineRunner
 
         runner = PipelineRunner.open(cfg, rank, world, device, store, snap, ranks_per_node)
@@ -123,7 +123,7 @@ def train(
         from syncline.train.trainer import DataParallelRunner
 
         runner = DataParallelRunner.open(cfg, rank, world, device, store, snap, allreduce)
-    outputs = Outputs(cfg, rank, runner.start, pipelined=cfg.pipelined)
+    outputs = Outputs(cfg, rank, runner.start, pipelined=cfg.pipeline.pipelined)
     _steps(cfg, rank, runner, store, outputs, attempt)
     return runner.finish(outputs)
 
@@ -215,7 +215,7 @@ def common_summary(
     summary.update(
         model=cfg.model,
         data=cfg.dataset,
-        optimizer=cfg.optimizer,
+        optimizer=cfg.optim.optimizer,
         peak_lr=cfg.peak_lr,
         precision=cfg.precision,
         **scaler_summary(scaler),

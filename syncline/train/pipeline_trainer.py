@@ -75,9 +75,9 @@ def pipeline_groups(cfg: TrainConfig, world: int) -> tuple[comm.Group, comm.Grou
     ``w`` replicas, :func:`syncline.comm.build_pipeline_groups` lays out global rank =
     stage * w + replica, so the replicas of a stage are neighbours (one node, fast links).
     """
-    if world == cfg.pipeline_stages:
+    if world == cfg.pipeline.pipeline_stages:
         return None, None
-    return comm.build_pipeline_groups(cfg.pipeline_stages, timeout_s=cfg.timeout_s)
+    return comm.build_pipeline_groups(cfg.pipeline.pipeline_stages, timeout_s=cfg.timeout_s)
 
 
 def build_pipeline(
@@ -95,31 +95,32 @@ def build_pipeline(
     compressor when there are replicas. ``balance`` overrides the configured one (a resumed
     run cuts the model as the checkpointed run did)."""
     first_lr = lr_at(cfg, 0)
-    compressor = build_compressor(cfg.compression) if data_parallel_group is not None else None
+    compressor = build_compressor(cfg.dp.compression) if data_parallel_group is not None else None
 
     def optimizer(params: Any) -> torch.optim.Optimizer:
         opt = make_optimizer(cfg, list(params), compressor)
         set_lr([opt], first_lr)  # the stages are built in the first step when profiling
         return opt
 
-    replica_allreduce = None
-    if cfg.allreduce != "flat" and data_parallel_group is not None:  # collective: every rank
+    replica_allreduce, dp = None, cfg.dp
+    if dp.allreduce != "flat" and data_parallel_group is not None:  # collective: every rank
         world = comm.group_size()
-        per_node = Topology(world, ranks_per_node or cfg.ranks_per_node or world).ranks_per_node
+        per_node = Topology(world, ranks_per_node or dp.ranks_per_node or world).ranks_per_node
         replica_allreduce = build_allreduce(
-            cfg.allreduce, data_parallel_group, timeout_s=cfg.timeout_s, ranks_per_node=per_node
+            dp.allreduce, data_parallel_group, timeout_s=cfg.timeout_s, ranks_per_node=per_node
         )
-    assert cfg.schedule is not None and cfg.microbatches is not None
+    p = cfg.pipeline
+    assert p.schedule is not None and p.microbatches is not None
     return Pipeline(
         model,
-        num_stages=cfg.virtual_stages,
-        num_microbatches=cfg.microbatches,
-        schedule=cfg.schedule,
+        num_stages=p.virtual_stages,
+        num_microbatches=p.microbatches,
+        schedule=p.schedule,
         loss_fn=loss_for(cfg),
-        split_points=cfg.split_points,
+        split_points=p.split_points,
         optimizer=optimizer,
-        recompute=cfg.recompute,
-        balance=balance or (None if cfg.balance is None else list(cfg.balance)),
+        recompute=p.recompute,
+        balance=balance or (None if p.balance is None else list(p.balance)),
         process_group=group,
         data_parallel_group=data_parallel_group,
         compression=compressor,
@@ -143,7 +144,7 @@ class PipelineRunner:
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
         replicas = cfg.pipeline_replicas
         self.model = build_model_for(cfg, meta=True)  # each rank materialises its stages only
-        if not isinstance(self.model, nn.Sequential) and cfg.split_points is None:
+        if not isinstance(self.model, nn.Sequential) and cfg.pipeline.split_points is None:
             raise ConfigError(
                 f"model {cfg.model!r} built a {type(self.model).__name__}; a pipeline cuts an "
                 "nn.Sequential: valid: pipeline_stages=1, a model built as nn.Sequential, or "
@@ -151,7 +152,7 @@ class PipelineRunner:
             )
         self.dataset, self.held_out, self.tokens_per_sample = build_datasets(cfg)
         fed, held_fed = self.dataset, self.held_out
-        if cfg.split_points is not None:  # a traced model takes its inputs by name
+        if cfg.pipeline.split_points is not None:  # a traced model takes its inputs by name
             name = first_argument(self.model)
             fed = KeywordInputs(self.dataset, name)
             held_fed = None if self.held_out is None else KeywordInputs(self.held_out, name)
@@ -186,23 +187,23 @@ class PipelineRunner:
         meta = read_meta(store, snap) if snap is not None else {}
         exact = same_pipeline_shape(meta, cfg, world)
         balance = None
-        if cfg.split_points is not None:
+        if cfg.pipeline.split_points is not None:
             pass  # cut where the config says, traced again below
         elif exact:  # cut as the checkpointed run was (its split was profiled)
             balance = list(meta["balance"])
-        elif snap is not None and cfg.balance is None:  # resharded: even, no profiling
-            balance = balance_costs([1.0] * cfg.model_layers, cfg.virtual_stages)
+        elif snap is not None and cfg.pipeline.balance is None:  # resharded: even, no profiling
+            balance = balance_costs([1.0] * cfg.model_layers, cfg.pipeline.virtual_stages)
         runner.pipe = pipe = build_pipeline(
             cfg, runner.model, device, group, data_parallel, balance=balance,
             ranks_per_node=ranks_per_node,
         )  # fmt: skip
         if snap is not None:
-            if cfg.split_points is not None:  # traced on the batch the run continues with
+            if cfg.pipeline.split_points is not None:  # traced on the batch the run continues with
                 pipe.prepare(runner.shard.batch(int(meta["step"])))
             runner.start = restore_pipeline(store, snap, pipe, rank, meta, exact)
             announce_resume(rank, snap, runner.start, exact)
         runner.wire = _WireMeter(pipe, runner.start, cfg.timeout_s, device)
-        runner.ends = _segment_ends(runner.start, cfg.steps, cfg.checkpoint_every or 0)
+        runner.ends = _segment_ends(runner.start, cfg.steps, cfg.checkpoint.checkpoint_every or 0)
         return runner
 
     def step(self, step: int, lr: float) -> torch.Tensor:
@@ -232,9 +233,14 @@ class PipelineRunner:
 
     def capture(self, done: int) -> dict[str, torch.Tensor]:
         self.pipe.flush()  # 2BW: its batches ended here, so nothing is in flight
-        assert self.cfg.schedule is not None
+        assert self.cfg.pipeline.schedule is not None
         return capture_pipeline(
-            done, self.pipe, self.rank, self.world, self.cfg.schedule, self.cfg.split_points
+            done,
+            self.pipe,
+            self.rank,
+            self.world,
+            self.cfg.pipeline.schedule,
+            self.cfg.pipeline.split_points,
         )
 
     def finish(self, outputs: Outputs) -> dict[str, Any]:
@@ -428,7 +434,7 @@ def _finish(
     board: TensorBoardLog | None = None,
     sample: Sample | None = None,
 ) -> dict[str, Any]:
-    run_dir = Path(cfg.run_dir)
+    run_dir, p = Path(cfg.run_dir), cfg.pipeline
     optimizers = {s: o for r in gathered for s, o in r["optimizers"].items()}
     memory = {s: m for r in gathered for s, m in sorted(r["memory"].items())}
     ckpt = save_checkpoint(
@@ -442,7 +448,7 @@ def _finish(
         },
     )
     timeline = merge_timelines(
-        str(cfg.schedule), [r["events"] for r in gathered], shared_clock=cfg.nnodes == 1
+        str(p.schedule), [r["events"] for r in gathered], shared_clock=cfg.nnodes == 1
     )
     stages_of = {rank: sorted(r["memory"]) for rank, r in enumerate(gathered)}
     write_trace(timeline, run_dir / "trace.json", stages_of)
@@ -450,8 +456,8 @@ def _finish(
     width = cfg.pipeline_replicas
     replicas = f" (replica 0 of {width})" if width > 1 else ""
     title = (
-        f"{cfg.schedule}{' + recompute' if cfg.recompute else ''}: {cfg.virtual_stages} stages "
-        f"on {cfg.pipeline_stages} ranks{replicas}, m={cfg.microbatches}, steps "
+        f"{p.schedule}{' + recompute' if p.recompute else ''}: {p.virtual_stages} stages "
+        f"on {p.pipeline_stages} ranks{replicas}, m={p.microbatches}, steps "
         f"{first}-{cfg.steps - 1} (measured)"
     )
     # one pipeline per chart: the replicas run the same schedule and would overlap in a row
@@ -461,20 +467,20 @@ def _finish(
     plot_loss(
         log.records,
         run_dir / "loss.png",
-        f"{cfg.model} on {cfg.dataset}, {cfg.schedule} pipeline of {cfg.virtual_stages} stages",
+        f"{cfg.model} on {cfg.dataset}, {p.schedule} pipeline of {p.virtual_stages} stages",
     )
     summary = common_summary(cfg, log, world, model, scaler)
     for key in ("collectives_per_step", "median_exposed_comm_s"):
         summary.pop(key, None)
     summary.update(
-        schedule=cfg.schedule,
-        pipeline_stages=cfg.pipeline_stages,
-        virtual_stages=cfg.virtual_stages,
+        schedule=p.schedule,
+        pipeline_stages=p.pipeline_stages,
+        virtual_stages=p.virtual_stages,
         replicas=cfg.pipeline_replicas,
-        microbatches=cfg.microbatches,
-        recompute=cfg.recompute,
+        microbatches=p.microbatches,
+        recompute=p.recompute,
         balance=gathered[0]["balance"],
-        split_points=cfg.split_points,
+        split_points=p.split_points,
         memory=memory,
         traced_steps=[first, cfg.steps - 1],
         traced_bubble_fraction=bubble_fraction(timeline),

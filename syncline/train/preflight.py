@@ -31,7 +31,7 @@ def check_run(cfg: TrainConfig) -> TrainConfig:
     """
     from syncline.dp.registry import build_compressor
 
-    build_compressor(cfg.compression)
+    build_compressor(cfg.dp.compression)
     preflight(cfg)
     return cfg
 
@@ -43,7 +43,7 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
     is written as ``config.json``, which every worker reads."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.resume is None:
+    if cfg.checkpoint.resume is None:
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
@@ -75,7 +75,7 @@ def preflight(cfg: TrainConfig) -> None:
     if isinstance(call, FactoryCall):  # nothing is known of a factory's model until built
         from syncline.models.user import check_user_model
 
-        check_user_model(call, cfg.split_points)
+        check_user_model(call, cfg.pipeline.split_points)
     _check_optimizer(cfg)
 
 
@@ -90,4 +90,4 @@ def _check_optimizer(cfg: TrainConfig) -> None:
     try:
         dry_check(lambda params: make_optimizer(cfg, params))
     except CheckpointError as exc:
-        raise ConfigError(f"optimizer={cfg.optimizer!r}: {exc}") from None
+        raise ConfigError(f"optimizer={cfg.optim.optimizer!r}: {exc}") from None

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from syncline.errors import ConfigError
+from syncline.fields import flatten
+from syncline.train.config import TrainConfig
 
 __all__ = ["Run", "comparison_table", "load_run", "peak_memory"]
 
@@ -27,7 +29,8 @@ class Run:
 
     Attributes:
         label: how the report names it (the directory as given).
-        config: config.json.
+        config: config.json, every setting by its flat name (``pipeline_stages``, not
+            under ``pipeline``), whether the run nested its parts or wrote them flat.
         records: metrics.jsonl, one dict per logged step.
         summary: summary.json, or ``{}`` for a run that did not finish.
     """
@@ -99,7 +102,7 @@ def load_run(path: str | Path) -> Run:
     summary = _read_json(summary_path, "") if summary_path.is_file() else {}
     if not isinstance(config, dict) or not isinstance(summary, dict):
         raise ConfigError(f"{run_dir}: config.json or summary.json is not a JSON object")
-    return Run(str(path), config, records, summary)
+    return Run(str(path), flatten(TrainConfig, config), records, summary)
 
 
 def _median(values: list[float]) -> float | None:

@@ -32,7 +32,8 @@ import torch
 
 from syncline import comm
 from syncline.comm.sharded import load_sharded, save_sharded
-from syncline.errors import CheckpointError, ConfigError
+from syncline.errors import CheckpointError
+from syncline.fields import check_int
 
 __all__ = ["Snapshot", "SnapshotStore"]
 
@@ -69,8 +70,7 @@ class SnapshotStore:
         timeout_s: float = 300.0,
         device: torch.device | None = None,
     ) -> None:
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ConfigError(f"keep_checkpoints={keep!r} must be an integer >= 1")
+        check_int("keep_checkpoints", keep)
         self.root = Path(root)
         self.keep = keep
         self.group = group

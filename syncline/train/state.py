@@ -296,10 +296,10 @@ def same_pipeline_shape(meta: dict[str, Any], cfg: TrainConfig, world: int) -> b
     if (
         meta.get("kind") != "pipeline"
         or meta.get("world_size") != world
-        or meta.get("schedule") != cfg.schedule
+        or meta.get("schedule") != cfg.pipeline.schedule
     ):
         return False
-    if cfg.split_points is not None:  # cut at the same modules (the run's own trace)
-        return meta.get("split_points") == list(cfg.split_points)
+    if cfg.pipeline.split_points is not None:  # cut at the same modules (the run's own trace)
+        return meta.get("split_points") == list(cfg.pipeline.split_points)
     balance = meta.get("balance")
-    return balance is not None and len(balance) == cfg.virtual_stages
+    return balance is not None and len(balance) == cfg.pipeline.virtual_stages

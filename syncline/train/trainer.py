@@ -62,11 +62,11 @@ class DataParallelRunner:
         self.dataset, self.held_out, self.tokens_per_sample = build_datasets(cfg)
         self.batches = ShardedBatches(self.dataset, cfg.batch_size, rank, world, cfg.seed)
         self.validation = Validation(cfg, self.held_out, rank, world, self.tokens_per_sample)
-        compressor = build_compressor(cfg.compression)
+        compressor = build_compressor(cfg.dp.compression)
         self.dp = DataParallel(
             self.model,
-            bucket_cap_mb=cfg.bucket_cap_mb,
-            first_bucket_cap_mb=cfg.first_bucket_cap_mb,
+            bucket_cap_mb=cfg.dp.bucket_cap_mb,
+            first_bucket_cap_mb=cfg.dp.first_bucket_cap_mb,
             timeout_s=cfg.timeout_s,
             compression=compressor,
             allreduce=allreduce,
@@ -156,8 +156,8 @@ class DataParallelRunner:
             buckets=len(dp.bucket_plan.buckets),
             bucket_numels=[b.numel for b in dp.bucket_plan.buckets],
             bucket_tuning=dp.bucket_tuning,
-            compression=cfg.compression,
-            allreduce=cfg.allreduce,
+            compression=cfg.dp.compression,
+            allreduce=cfg.dp.allreduce,
             **memory_summary(peaks or [mine]),
         )
         wire = summary.get("wire_bytes_per_step") or 0
@@ -201,8 +201,8 @@ def _print_summary(
         f"{human_bytes(summary['wire_bytes_per_step'])} on the wire/step in "
         f"{summary['collectives_per_step']:.0f} bucket(s)"
         + (
-            f" ({cfg.compression}: {ratio:.1f}x less than dense)"
-            if ratio and cfg.compression != "none"
+            f" ({cfg.dp.compression}: {ratio:.1f}x less than dense)"
+            if ratio and cfg.dp.compression != "none"
             else ""
         )
         + (

@@ -37,9 +37,11 @@ def run_rank(
     restart count), so :func:`syncline.testing.run_training` runs exactly this in-process.
     """
     allreduce: str | comm.Collective = "flat"
-    if cfg.allreduce != "flat" and not cfg.pipelined:  # a pipeline's replicas: their own
+    if (
+        cfg.dp.allreduce != "flat" and not cfg.pipeline.pipelined
+    ):  # a pipeline's replicas: their own
         allreduce = build_allreduce(
-            cfg.allreduce, timeout_s=cfg.timeout_s, ranks_per_node=ranks_per_node
+            cfg.dp.allreduce, timeout_s=cfg.timeout_s, ranks_per_node=ranks_per_node
         )
     summary = train(
         cfg,
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     backend, device = rank_backend_and_device(cfg, int(os.environ.get("LOCAL_RANK", "0")))
     rank, world = comm.init_from_env(backend=backend, timeout_s=cfg.timeout_s)
     try:
-        per_node = cfg.ranks_per_node or os.environ.get("LOCAL_WORLD_SIZE", str(world))
+        per_node = cfg.dp.ranks_per_node or os.environ.get("LOCAL_WORLD_SIZE", str(world))
         # torchrun counts the restarts of the whole worker group (--max-restarts)
         run_rank(
             cfg,

@@ -82,7 +82,7 @@ BAD_INPUT = [
     (["--model", "vit"], "model='vit' is unknown; valid: gpt, cnn"),
     (["--steps", "0"], "steps=0"),
     (["--nproc-per-node", "100000"], "nproc_per_node=100000 is more than this node allows"),
-    (["--bucket-cap-mb", "-1"], "bucket_cap_mb=-1.0 must be a finite number > 0"),
+    (["--bucket-cap-mb", "-1"], "bucket_cap_mb=-1.0 is invalid; valid: a finite number > 0"),
     (["--lr", "fast"], "invalid float value: 'fast'"),
     (["--model", "cnn", "--data", "stdlib"], "does not fit model 'cnn'"),
     (["--compression", "zip"], "compression"),

@@ -101,9 +101,9 @@ def _valid(cell: Cell) -> bool:
     """The config's own checks of both launches (cheap: no files read), for the generator."""
     values = values_from(PARSER.parse_args(command(cell, "run")))
     try:
-        TrainConfig(**values)
+        TrainConfig.from_flat(**values)
         if cell["continuation"] == "resume":
-            TrainConfig(**{**values, "resume": "run"})
+            TrainConfig.from_flat(**{**values, "resume": "run"})
     except ConfigError:
         return False
     return True

@@ -119,7 +119,7 @@ def test_engine_refuses_tuning_with_a_stateful_compressor_before_any_work() -> N
         DataParallel(
             nn.Linear(2, 2), autotune_buckets=True, compression=build_compressor("csc:0.01")
         )
-    with pytest.raises(ConfigError, match="tune_rounds=0 must be an integer >= 1"):
+    with pytest.raises(ConfigError, match="tune_rounds=0 is invalid; valid: an integer >= 1"):
         DataParallel(nn.Linear(2, 2), tune_rounds=0)
 
 

@@ -12,6 +12,8 @@ PURE = [
     "syncline.train.config",
     "syncline.dp.config",
     "syncline.pipeline.config",
+    "syncline.optim.config",
+    "syncline.train.checkpoint_config",
     "syncline.registry",
     "syncline.models.registry",
     "syncline.data.registry",

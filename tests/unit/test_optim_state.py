@@ -73,7 +73,7 @@ def _model() -> nn.Module:
 
 
 def _registered(name: str) -> Callable[[Any], torch.optim.Optimizer]:
-    cfg = TrainConfig(optimizer=name, lr=0.01, weight_decay=0.01)
+    cfg = TrainConfig.from_flat(optimizer=name, lr=0.01, weight_decay=0.01)
     return lambda params: make_optimizer(cfg, list(params))
 
 
@@ -215,4 +215,4 @@ def test_an_optimizer_that_cannot_be_checkpointed_is_refused_before_training(mon
 
     monkeypatch.setattr(common, "make_optimizer", lambda cfg, params: _Hoarder(params))
     with pytest.raises(ConfigError, match=r"^optimizer='lamb': _Hoarder: state matrix/cache"):
-        preflight._check_optimizer(TrainConfig(optimizer="lamb"))
+        preflight._check_optimizer(TrainConfig.from_flat(optimizer="lamb"))

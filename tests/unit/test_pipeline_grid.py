@@ -48,9 +48,9 @@ def test_every_rank_is_in_one_pipeline_and_one_replica_group_meeting_only_there(
         (4, 3, "world_size=4 is not divisible by num_stages=3"),
         (6, 4, "world_size=6 is not divisible by num_stages=4"),
         (2, 4, "world_size=2 is not divisible by num_stages=4"),
-        (4, 0, "num_stages=0 must be an integer >= 1"),
-        (0, 1, "world_size=0 must be an integer >= 1"),
-        (4, True, "num_stages=True must be an integer >= 1"),
+        (4, 0, "num_stages=0 is invalid; valid: an integer >= 1"),
+        (0, 1, "world_size=0 is invalid; valid: an integer >= 1"),
+        (4, True, "num_stages=True is invalid; valid: an integer >= 1"),
     ],
 )
 def test_bad_layouts_raise_naming_the_values(world: int, stages: int, message: str) -> None:

@@ -221,11 +221,12 @@ def test_search_ranks_fitting_configurations_first_and_their_train_args_parse() 
             argv.append("--rdzv-endpoint=node0:29500")
         cfg = config_from_args(build_parser().parse_args(argv))
         assert cfg.world_size == 4 and cfg.batch_size == 16
-        assert cfg.pipeline_stages == row["stages"]
+        p = cfg.pipeline
+        assert p.pipeline_stages == row["stages"]
         if row["stages"] > 1:
-            assert cfg.schedule == row["schedule"] and cfg.microbatches == row["microbatches"]
-            assert list(cfg.balance) == row["balance"]
-        assert cfg.compression == row["compression"]
+            assert p.schedule == row["schedule"] and p.microbatches == row["microbatches"]
+            assert list(p.balance) == row["balance"]
+        assert cfg.dp.compression == row["compression"]
 
 
 def test_configurations_that_cannot_run_are_refused_with_their_values() -> None:

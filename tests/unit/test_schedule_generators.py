@@ -106,14 +106,14 @@ def test_add_communication_twice_is_an_error() -> None:
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda: gpipe(0, 1), "num_stages=0 must be >= 1"),
-        (lambda: gpipe(2, 0), "num_microbatches=0 must be >= 1"),
-        (lambda: one_f_one_b(2.0, 2), "num_stages=2.0 must be an int"),
-        (lambda: one_f_one_b(True, 2), "num_stages=True must be an int"),
+        (lambda: gpipe(0, 1), "num_stages=0 is invalid; valid: an integer >= 1"),
+        (lambda: gpipe(2, 0), "num_microbatches=0 is invalid; valid: an integer >= 1"),
+        (lambda: one_f_one_b(2.0, 2), "num_stages=2.0 is invalid; valid: an integer"),
+        (lambda: one_f_one_b(True, 2), "num_stages=True is invalid; valid: an integer"),
         (lambda: two_bw(4, 2, 1), "num_microbatches=2 must be >= num_stages=4 for 2bw"),
-        (lambda: two_bw(2, 2, 0), "num_batches=0 must be >= 1"),
+        (lambda: two_bw(2, 2, 0), "num_batches=0 is invalid; valid: an integer >= 1"),
         (lambda: interleaved_1f1b(4, 6, 2), "num_microbatches=6 must be a multiple of num_ranks=4"),
-        (lambda: interleaved_1f1b(2, 4, 0), "chunks=0 must be >= 1"),
+        (lambda: interleaved_1f1b(2, 4, 0), "chunks=0 is invalid; valid: an integer >= 1"),
     ],
 )
 def test_bad_inputs_raise_config_error(call: Callable[[], object], message: str) -> None:

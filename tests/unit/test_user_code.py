@@ -157,9 +157,9 @@ def test_default_loss_reads_classes_tokens_and_regression() -> None:
 
 def test_split_points_need_a_factory_and_the_stage_count() -> None:
     with pytest.raises(ConfigError, match="cut the model into 3 stages, the pipeline has 2"):
-        TrainConfig(model=M, data="stdlib", pipeline_stages=2, split_points=("a", "b"))
+        TrainConfig.from_flat(model=M, data="stdlib", pipeline_stages=2, split_points=("a", "b"))
     # a pipeline cut at split points resumes (traced again on the batch it continues with)
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flat(
         model=M, data="stdlib", pipeline_stages=2, split_points=("a",), max_restarts=1
     )
-    assert cfg.split_points == ("a",) and cfg.max_restarts == 1
+    assert cfg.pipeline.split_points == ("a",) and cfg.checkpoint.max_restarts == 1

@@ -54,33 +54,3 @@ def check_numel(owner: str, index: int, have: torch.Tensor, numel: int) -> None:
             f"{have.numel()}; the bucket layout changed since the state was created "
             "(load the checkpoint into a model with the same parameters and bucket_cap_mb)"
         )
-
-
-def check_range(
-    owner: str,
-    name: str,
-    value: float,
-    lo: float,
-    hi: float | None,
-    *,
-    lo_open: bool = False,
-    hi_open: bool = False,
-) -> None:
-    """Raise :class:`ConfigError` naming ``name=value`` and the valid range if it is outside."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{owner}: {name}={value!r} must be a number")
-    above_lo = value > lo if lo_open else value >= lo
-    below_hi = True if hi is None else (value < hi if hi_open else value <= hi)
-    if not (above_lo and below_hi):  # written so that NaN is rejected too
-        left = f"{lo} {'<' if lo_open else '<='} {name}"
-        right = "" if hi is None else f" {'<' if hi_open else '<='} {hi}"
-        raise ConfigError(f"{owner}: {name}={value!r} is out of range; valid: {left}{right}")
-
-
-def check_int(owner: str, name: str, value: Any, lo: int) -> int:
-    """``value`` must be an integer >= ``lo`` (bools are refused)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{owner}: {name}={value!r} must be an integer >= {lo}")
-    if value < lo:
-        raise ConfigError(f"{owner}: {name}={value!r} is out of range; valid: {name} >= {lo}")
-    return value

@@ -72,14 +72,13 @@ from syncline.dp.compression import BucketRef
 from syncline.dp.compressors import chunks as ch
 from syncline.dp.compressors._pending import PhaseOrder, chain
 from syncline.dp.compressors._state import (
-    check_int,
     check_numel,
-    check_range,
     load_buckets,
     save_buckets,
     to_device,
 )
 from syncline.errors import ConfigError
+from syncline.fields import check_float, check_int
 
 _WIRE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: the largest finite value of each wire dtype
@@ -129,10 +128,10 @@ class CSC:
         wire_dtype: torch.dtype = torch.float16,
         ramp: str = "dense",
     ) -> None:
-        check_range("CSC", "density", density, 0.0, 1.0, lo_open=True)
-        self.chunk_elems = check_int("CSC", "chunk_elems", chunk_elems, 1)
-        self.warmup_steps = check_int("CSC", "warmup_steps", warmup_steps, 0)
-        check_range("CSC", "momentum", momentum, 0.0, 1.0, hi_open=True)
+        check_float("CSC: density", density, above=0, at_most=1)
+        self.chunk_elems = check_int("CSC: chunk_elems", chunk_elems)
+        self.warmup_steps = check_int("CSC: warmup_steps", warmup_steps, low=0)
+        check_float("CSC: momentum", momentum, at_least=0, below=1)
         if wire_dtype not in _WIRE_DTYPES:
             raise ConfigError(
                 f"CSC: wire_dtype={wire_dtype} is not supported; valid: "

@@ -45,14 +45,13 @@ from syncline.comm.collectives import Collective, Pending
 from syncline.dp.compression import BucketRef, Layout
 from syncline.dp.compressors._pending import PhaseOrder, chain
 from syncline.dp.compressors._state import (
-    check_int,
     check_numel,
-    check_range,
     load_buckets,
     save_buckets,
     to_device,
 )
 from syncline.errors import ConfigError
+from syncline.fields import check_float, check_int
 
 
 def matrix_shape(numel: int) -> tuple[int, int]:
@@ -191,10 +190,12 @@ class PowerSGD:
         seed: int = 0,
         min_compression_rate: float = 2.0,
     ) -> None:
-        self.rank = check_int("PowerSGD", "rank", rank, 1)
-        self.warmup_steps = check_int("PowerSGD", "warmup_steps", warmup_steps, 0)
-        self.seed = check_int("PowerSGD", "seed", seed, 0)
-        check_range("PowerSGD", "min_compression_rate", min_compression_rate, 1.0, None)
+        self.rank = check_int("PowerSGD: rank", rank)
+        self.warmup_steps = check_int("PowerSGD: warmup_steps", warmup_steps, low=0)
+        self.seed = check_int("PowerSGD: seed", seed, low=0)
+        check_float(
+            "PowerSGD: min_compression_rate", min_compression_rate, at_least=1, finite=False
+        )
         self.min_compression_rate = float(min_compression_rate)
         self._buckets: dict[int, dict[str, torch.Tensor]] = {}
         self._plans: dict[tuple[int, Layout], MatrixPlan] = {}

@@ -32,11 +32,11 @@ from syncline.dp.compression import BucketRef
 from syncline.dp.compressors._pending import chain
 from syncline.dp.compressors._state import (
     check_numel,
-    check_range,
     load_buckets,
     save_buckets,
     to_device,
 )
+from syncline.fields import check_float
 
 _INT32_LIMIT = 2**31 - 1
 
@@ -94,7 +94,7 @@ class TopK:
     stateless = False  # residuals/factors per bucket: the buckets must not be re-cut
 
     def __init__(self, ratio: float) -> None:
-        check_range("TopK", "ratio", ratio, 0.0, 1.0, lo_open=True)
+        check_float("TopK: ratio", ratio, above=0, at_most=1)
         self.ratio = float(ratio)
         self._buckets: dict[int, dict[str, torch.Tensor]] = {}
         # |a| and the candidates' mask of the bucket being reduced, reused by every bucket
