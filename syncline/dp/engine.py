@@ -33,7 +33,6 @@ from typing import Any, NoReturn
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from syncline import comm
 from syncline.comm.collectives import Collective
@@ -51,7 +50,7 @@ from syncline.dp.ddp_surface import (
 )
 from syncline.dp.layout import GradBuffer, trainable_parameters
 from syncline.dp.placement import moved_to, placement
-from syncline.dp.reducer import Reducer, StepState, StepStats
+from syncline.dp.reducer import Reducer, StepStats
 from syncline.dp.tuning import autotune_choice
 from syncline.dp.verify import check_same_on_all_ranks
 from syncline.errors import ConfigError
@@ -240,13 +239,11 @@ class DataParallel(nn.Module):
             device=sparse[0][1].device if sparse else None,
         )
         self._buf.install(list(reversed(range(len(params)))))  # backward runs roughly in reverse
-        self._st = StepState(len(params), len(sparse))
         comm_dev = comm_device(comm.backend_name(process_group), self._buf.device)
         self._tuning = BucketTuning(self.config, self._buf, self._comm, device=comm_dev)
         self._reducer = Reducer(
             names=names,
             buffer=self._buf,
-            state=self._st,
             config=self.config,
             compressor=self._compressor,
             collective=self._comm,
@@ -274,7 +271,7 @@ class DataParallel(nn.Module):
     @property
     def last_stats(self) -> StepStats:
         """What the last synchronised backward communicated."""
-        return self._st.last_stats
+        return self._reducer.last_stats
 
     @property
     def bucket_plan(self) -> BucketPlan:
@@ -301,7 +298,7 @@ class DataParallel(nn.Module):
         # until zero_grad. The peak is DDP's too: one gradient-sized set beside the buffer.
         if self._superseded:
             self._refuse_superseded()
-        if self._st.deferred:
+        if self._reducer.deferred:
             self._refuse_open_reduction()
         self._buf.spent.clear()
         if self._input_device is not None:  # DDP's device_ids[0]
@@ -315,18 +312,16 @@ class DataParallel(nn.Module):
         if self._lane_due:
             self._lane_due = False
             comm.open_lane(self._comm)
-        self._st.sync_this_backward = self._sync_enabled
+        self._reducer.begin_forward(sync=self._sync_enabled)
         self._buf.attach_grads(lazy=True)
         out = self.module(*args, **kwargs)
         if training:
-            self._st.outputs_pending += _hook_outputs(out, self._reducer.on_output_grad)
+            self._reducer.watch_outputs(out)
         return out
 
     def _refuse_open_reduction(self) -> NoReturn:
         names = self._reducer.unready_names()
-        for pending in self._st.pending:  # nothing left in flight behind the error
-            pending.wait()
-        self._reducer.reset()
+        self._reducer.abandon()  # nothing left in flight behind the error
         raise RuntimeError(
             f"DataParallel: the previous step's gradient reduction did not finish: "
             f"{len(names)} parameter(s) got no gradient in any backward since the last "
@@ -356,7 +351,9 @@ class DataParallel(nn.Module):
                 buffers, group=self.process_group, timeout_s=self.config.timeout_s
             )
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
-            self._buffer_bcast.start(f"buffer broadcast before step {self._st.steps_synced}").wait()
+            self._buffer_bcast.start(
+                f"buffer broadcast before step {self._reducer.steps_synced}"
+            ).wait()
 
     def _buffers_to_sync(self) -> list[torch.Tensor]:
         return [b for n, b in self.module.named_buffers() if n not in self._ignored]
@@ -419,8 +416,7 @@ class DataParallel(nn.Module):
         backward leaves are already unscaled. ``scale=1`` turns it off."""
         if not scale > 0:
             raise ConfigError(f"unscale_in_reduce(scale={scale!r}); valid: a scale > 0")
-        self._reducer.grad_scale = 1.0 / scale
-        self._reducer.overflow = None
+        self._reducer.unscale_in_reduce(scale)
 
     def overflowed_in_reduce(self) -> bool:
         """Whether a bucket of this rank held an inf or NaN since :meth:`unscale_in_reduce`
@@ -439,7 +435,7 @@ class DataParallel(nn.Module):
         """The compressor's state (residuals, factors), for checkpoints."""
         return {
             "name": self._compressor.name,
-            "steps_synced": self._st.steps_synced,
+            "steps_synced": self._reducer.steps_synced,
             "bucket_order": list(self._buf.plan.order),
             "state": self._compressor.state_dict(),
         }
@@ -454,7 +450,7 @@ class DataParallel(nn.Module):
         if tuple(order) != self._buf.plan.order:
             self._buf.install(order, keep_grads=True)
             self._tuning.restart()  # its plans were cut for the old layout; tuning starts over
-        self._st.steps_synced = int(state["steps_synced"])
+        self._reducer.restore_steps(int(state["steps_synced"]))
         self._compressor.load_state_dict(state["state"])
 
     def install_hooks(self) -> None:
@@ -522,21 +518,6 @@ class DataParallel(nn.Module):
     def __setstate__(self, state: dict[str, Any]) -> None:
         DataParallel.__init__(self, state["module"], **state["settings"])
         self.train(state["train"])
-
-
-def _hook_outputs(out: Any, hook: Any) -> int:
-    """Put ``hook`` on every tensor of ``out`` that backward can pass through; how many."""
-    if isinstance(out, torch.Tensor):
-        if out.requires_grad:
-            out.register_hook(hook)
-            return 1
-        return 0
-    hooked = 0
-    for t in tree_leaves(out):
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            t.register_hook(hook)
-            hooked += 1
-    return hooked
 
 
 def _remove_handles(handles: list[Any]) -> None:

@@ -161,6 +161,34 @@ class GradBuffer:
             p.grad = v
             self.stand_in[i] = False
 
+    def zero_missing(self, k: int) -> None:
+        """Bucket ``k``'s members without a gradient get their view, zeroed (they count as
+        zero in the reduction, and receive its result)."""
+        params, views = self.members[k]
+        missing = [(p, v) for p, v in zip(params, views, strict=True) if p.grad is None]
+        if missing:
+            torch._foreach_zero_([v for _, v in missing])
+            for p, v in missing:
+                p.grad = v
+
+    def rebind(self, params: list[torch.Tensor]) -> bool:
+        """Serve ``params`` instead, when they have the shapes and dtypes of the current
+        ones (a pipeline stage's other weight version under 2BW): the buffer, its plan and
+        the views stay, and the new tensors' gradients are gathered into them.
+
+        Returns:
+            ``False`` (nothing changed) when the shapes or dtypes differ: build a new buffer.
+        """
+        if len(params) != len(self.params) or any(
+            a.shape != b.shape or a.dtype != b.dtype
+            for a, b in zip(params, self.params, strict=True)
+        ):
+            return False
+        if any(a is not b for a, b in zip(params, self.params, strict=True)):
+            self.params = list(params)
+            self.cut(self.plan)
+        return True
+
     def gather_bucket(self, k: int) -> None:
         """Move autograd's fresh gradients of bucket ``k`` into the buffer, in one batched copy.
 

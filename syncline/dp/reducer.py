@@ -1,8 +1,9 @@
 """The backward side of the engine: ready-hooks, bucket launches, the end-of-backward flush.
 
 A hook per parameter only marks it ready; when every parameter of the next bucket is ready,
-that bucket's fresh gradients are moved into the flat buffer in one batched copy and the
-bucket is handed to the compressor, which starts an asynchronous collective. An autograd
+that bucket starts (:class:`~syncline.dp.launches.BucketLaunches`, the launch path a
+pipeline stage's REDUCE shares: its fresh gradients are moved into the flat buffer in one
+batched copy and the compressor starts an asynchronous collective on it). An autograd
 callback queued by the first hook of a backward flushes the remaining buckets, waits for what
 is still in flight and does the once-per-step bookkeeping (unused parameters, the first step's
 re-layout, bucket tuning). Buckets always launch in order, so every rank issues the same
@@ -17,13 +18,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from syncline import comm
 from syncline.comm.collectives import Collective, Pending, host_list
 from syncline.comm.device import Stopwatch, comm_device
 from syncline.dp.autotune import BucketTuning
-from syncline.dp.compression import BucketRef, Compressor, NoCompression
+from syncline.dp.compression import Compressor, NoCompression
 from syncline.dp.config import DataParallelConfig
+from syncline.dp.launches import BucketLaunches
 from syncline.dp.layout import GradBuffer
 from syncline.dp.precision import unscale_and_flag
 
@@ -67,12 +70,9 @@ class StepState:
         "deferred",
         "in_backward",
         "last_stats",
-        "next_bucket",
         "order_seen",
         "outputs_pending",
-        "pending",
         "ready",
-        "remaining",
         "sparse_ready",
         "sparse_used",
         "steps_synced",
@@ -94,9 +94,6 @@ class StepState:
         self.backward_watch: Stopwatch | None = None  # first ready gradient -> end (tuning)
         self.last_stats = StepStats()
         self.ready: list[bool] = []
-        self.remaining: list[int] = []
-        self.next_bucket = 0
-        self.pending: list[Pending] = []
         self.in_backward = False
         self.order_seen: list[int] = []
 
@@ -107,7 +104,6 @@ class Reducer:
     Args:
         names: the dense parameters' names, for error messages.
         buffer: the flat buffers and their buckets.
-        state: the per-step bookkeeping, shared with the engine's forward.
         config: the engine's settings.
         compressor: reduces every bucket from the second synchronised step on (the first
             runs lossless, as its buckets may still be re-laid).
@@ -124,7 +120,6 @@ class Reducer:
         *,
         names: list[str],
         buffer: GradBuffer,
-        state: StepState,
         config: DataParallelConfig,
         compressor: Compressor,
         collective: Collective,
@@ -134,7 +129,7 @@ class Reducer:
     ) -> None:
         self.names = names
         self.buf = buffer
-        self.st = state
+        self.st = StepState(len(buffer.params), len(sparse))
         self.config = config
         self.compressor = compressor
         self.dense = NoCompression()
@@ -147,9 +142,13 @@ class Reducer:
         self.group = group
         self.tuning = tuning
         self.sparse_names = [n for n, _ in sparse]
+        #: this backward's buckets (begun at its first hook); ``sync_all`` has its own
+        self.launches = BucketLaunches(buffer, collective)
+        self._sync_launches = BucketLaunches(buffer, collective)
+        self._sparse_pending: list[Pending] = []
         # fp16 beside an error-feedback compressor: buckets are unscaled before they reach
         # it, their non-finite values zeroed and flagged (see DataParallel.unscale_in_reduce)
-        self.grad_scale = 1.0
+        self._grad_scale = 1.0
         self.overflow: torch.Tensor | None = None
         self.sparse_params = [p for _, p in sparse]
         self.world_size = comm.group_size(group)
@@ -158,6 +157,38 @@ class Reducer:
         # order) go through torch.distributed: the group's backend decides (NCCL: CUDA only)
         self.comm_device = comm_device(comm.backend_name(group), buffer.device)
         self._backward_watch = Stopwatch(buffer.device)
+
+    @property
+    def last_stats(self) -> StepStats:
+        """What the last synchronised backward communicated."""
+        return self.st.last_stats
+
+    @property
+    def deferred(self) -> bool:
+        """Whether a backward ended with this reduction still waiting for parameters."""
+        return self.st.deferred
+
+    @property
+    def steps_synced(self) -> int:
+        """Synchronised backwards so far (the compressor's step; restored from checkpoints)."""
+        return self.st.steps_synced
+
+    def restore_steps(self, steps_synced: int) -> None:
+        """Carry on from a checkpoint taken after ``steps_synced`` synchronised backwards."""
+        self.st.steps_synced = steps_synced
+
+    def begin_forward(self, *, sync: bool) -> None:
+        """A training forward starts; ``sync``: whether its backward reduces (not ``no_sync``)."""
+        self.st.sync_this_backward = sync
+
+    def watch_outputs(self, out: Any) -> None:
+        """Hook every tensor of a training forward's ``out`` that backward can pass through
+        (see [Note: end of backward])."""
+        leaves = [out] if isinstance(out, torch.Tensor) else tree_leaves(out)
+        for t in leaves:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self.on_output_grad)
+                self.st.outputs_pending += 1
 
     def install_hooks(self) -> None:
         """Attach the ready-hooks to the parameters. Idempotent."""
@@ -185,9 +216,8 @@ class Reducer:
         st.ready = [False] * len(self.buf.params)
         st.sparse_ready = [False] * len(self.sparse_params)
         st.any_ready = False
-        st.remaining = [len(b.params) for b in self.buf.plan.buckets]
-        st.next_bucket = 0
-        st.pending = []
+        self.launches.clear()
+        self._sparse_pending = []
         st.in_backward = False
         st.order_seen = []
         st.outputs_pending = 0
@@ -218,6 +248,10 @@ class Reducer:
     def _begin_backward(self) -> None:
         st = self.st
         st.in_backward = True
+        if not self.launches.started:  # (a reduction left open by an earlier backward goes on)
+            # the first synchronised step runs lossless: its buckets may still be re-laid
+            compressor = self.compressor if st.steps_synced > 0 else self.dense
+            self.launches.begin(st.steps_synced, compressor)
         # timed only while the bucket tuning measures (on CUDA: events, read at the end)
         st.backward_watch = self._backward_watch.start() if self.tuning.pending else None
         torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
@@ -242,10 +276,7 @@ class Reducer:
             st.order_seen.append(i)  # only the first step's order is ever used
         for poll in self._polls:
             poll()
-        b = self.buf.plan.bucket_of[i]
-        st.remaining[b] -= 1
-        if st.remaining[b] == 0:  # buckets launch in order: only a full one can start any
-            self.launch_ready_buckets()
+        self.launches.final(i)
 
     def on_sparse_ready(self, j: int, _param: torch.Tensor) -> None:
         """The hook of sparse-gradient parameter ``j``: mark it ready (reduced at the end)."""
@@ -269,24 +300,28 @@ class Reducer:
             "checkpointing (use_reentrant=False)"
         )
 
-    def launch_ready_buckets(self) -> None:
-        """Start the collectives of the next buckets whose parameters are all ready."""
-        buf, st = self.buf, self.st
-        buckets = buf.plan.buckets
-        while st.next_bucket < len(buckets) and st.remaining[st.next_bucket] == 0:
-            b = buckets[st.next_bucket]
-            buf.gather_bucket(b.index)
-            compressor = self.compressor if st.steps_synced > 0 else self.dense
-            if self.grad_scale != 1.0:
-                self._unscale(buf.bucket(b.index))
-            ref = BucketRef(b.index, st.steps_synced, buf.layouts[b.index])
-            st.pending.append(compressor.reduce(ref, buf.bucket(b.index), self.collective))
-            st.next_bucket += 1
+    def unscale_in_reduce(self, scale: float) -> None:
+        """From the next bucket on, divide each bucket by ``scale`` before the compressor
+        takes it (``1``: off); clears the overflow flag."""
+        self._grad_scale = 1.0 / scale
+        self.overflow = None
+        self.launches.prepare = None if scale == 1.0 else self._unscale
 
-    def _unscale(self, bucket: torch.Tensor) -> None:
+    def _unscale(self, step: int, bucket: torch.Tensor) -> None:
         """Divide a bucket by the loss scale; an inf or NaN is zeroed and noted in
         ``overflow`` (:func:`syncline.dp.precision.unscale_and_flag`)."""
-        self.overflow = unscale_and_flag(bucket, self.grad_scale, self.overflow)
+        del step
+        self.overflow = unscale_and_flag(bucket, self._grad_scale, self.overflow)
+
+    def in_flight(self) -> list[Pending]:
+        """The collectives of the current reduction: its buckets', then its sparse ones."""
+        return self.launches.pending + self._sparse_pending
+
+    def abandon(self) -> None:
+        """Wait for whatever the current reduction has in flight, then forget it."""
+        for pending in self.in_flight():
+            pending.wait()
+        self.reset()
 
     def finish_backward(self) -> None:
         """End of a synchronised backward: flush, wait, account, re-lay or re-cut if due."""
@@ -299,17 +334,18 @@ class Reducer:
             if not st.any_ready:  # no parameter in this backward: nothing to reduce
                 return
             kept = self._flush_unready()
-            kept_sparse = self._reduce_sparse()
+            kept_sparse = self._reduce_sparse(self._sparse_pending)
             exposed = Stopwatch(buf.device).start()
-            for pending in st.pending:
-                pending.wait()
+            pending = self.in_flight()
+            for p in pending:
+                p.wait()
             exposed.stop()
             if self.config.find_unused_parameters:
                 self._restore_globally_unused(kept, kept_sparse)
             st.last_stats = StepStats(
                 step=st.steps_synced,
-                collectives=len(st.pending),
-                wire_bytes=sum(p.wire_bytes for p in st.pending),
+                collectives=len(pending),
+                wire_bytes=sum(p.wire_bytes for p in pending),
                 dense_bytes=buf.nbytes,
                 watch=exposed,
             )
@@ -364,16 +400,16 @@ class Reducer:
             if buf.keep_spent and not buf.stand_in[i]:
                 kept[i] = view.clone()
             st.ready[i] = True
-            st.remaining[buf.plan.bucket_of[i]] -= 1
-        self.launch_ready_buckets()
+            self.launches.final(i)
         return kept
 
-    def _reduce_sparse(self) -> dict[int, torch.Tensor | None]:
+    def _reduce_sparse(self, pending: list[Pending]) -> dict[int, torch.Tensor | None]:
         """Start the sum of every sparse gradient, after the buckets, in parameter order.
 
         As DDP: each sparse gradient is its own collective (gloo allgathers indices and
         values), divided by the world size first; the result, still sparse, becomes
-        ``param.grad``. A parameter this rank did not use sends an empty gradient.
+        ``param.grad``. A parameter this rank did not use sends an empty gradient. Each
+        collective is appended to ``pending``.
 
         Returns:
             With ``find_unused_parameters``: per such locally unused parameter, the gradient
@@ -401,7 +437,7 @@ class Reducer:
                 g.div_(self.world_size)
             p.grad = g
             what = f"sparse gradient {self.sparse_names[j]!r} at step {st.steps_synced}"
-            st.pending.append(
+            pending.append(
                 comm.allreduce_sparse(
                     g, group=self.group, what=what, timeout_s=self.config.timeout_s
                 )
@@ -477,16 +513,15 @@ class Reducer:
         backward."""
         buf, step = self.buf, self.st.steps_synced
         buf.attach_grads()
-        pending = []
-        for b in buf.plan.buckets:
-            ref = BucketRef(b.index, step, buf.layouts[b.index])
-            pending.append(self.dense.reduce(ref, buf.bucket(b.index), self.collective))
-        saved, self.st.pending = self.st.pending, pending
+        launches = self._sync_launches
+        launches.begin(step, self.dense)
+        launches.start_rest()
+        pending = launches.pending
+        launches.clear()
         self.st.sparse_ready = [True] * len(self.sparse_params)
         try:
-            self._reduce_sparse()
+            self._reduce_sparse(pending)
         finally:
-            self.st.pending = saved
             self.st.sparse_ready = [False] * len(self.sparse_params)
         watch = Stopwatch(buf.device).start()
         for p in pending:

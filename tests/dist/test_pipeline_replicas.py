@@ -27,7 +27,8 @@ from tests.zoo.models import LM_STEPS, lm_batches, tiny_gpt
 
 WORLD, DEPTH = 4, 2
 WIDTH = WORLD // DEPTH
-#: REDUCE buckets of ~1 KiB: several per stage, each started inside the last backward
+#: REDUCE buckets of ~100 bytes: several per stage (a bucket closes once it holds at least
+#: that much, as DataParallel's do), each started inside the last backward
 SMALL_BUCKETS = {"1f1b-buckets": "1f1b", "2bw-buckets": "2bw", "interleaved-buckets": "interleaved"}
 CASES = {
     **schedules.REPLICAS,
@@ -51,7 +52,7 @@ def _train(name: str, pipe_group: comm.Group, dp_group: comm.Group) -> dict:
         data_parallel_group=dp_group,
         compression={"fp16": FP16(), "powersgd": PowerSGD(rank=1)}.get(case.compression or ""),
         timeout_s=30,
-        reduce_bucket_mb=0.001 if name in SMALL_BUCKETS else 4.0,
+        reduce_bucket_mb=0.0001 if name in SMALL_BUCKETS else 4.0,
     )
     batches = iter(_shard(comm.group_rank(dp_group)))
     losses = [pipe.train_step(batches) for _ in range(LM_STEPS - 1)]
@@ -161,7 +162,7 @@ def test_replicas_match_one_process_on_the_whole_batch(per_rank, name: str) -> N
 
 @pytest.mark.parametrize("name", ["1f1b", *SMALL_BUCKETS])
 def test_every_reduce_bucket_starts_inside_the_last_backward(per_rank, name: str) -> None:
-    """Each stage's REDUCE buckets (one per stage by default, several at ~1 KiB) all start
+    """Each stage's REDUCE buckets (one per stage by default, several at ~100 bytes) all start
     from the backward hooks, none at the REDUCE action: every parameter of these stages
     gets its gradient in every micro-batch. (That they average exactly: the test above.)"""
     for r in per_rank:
