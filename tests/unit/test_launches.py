@@ -69,7 +69,7 @@ def test_missing_gradients_count_as_zero_and_receive_the_result(
 
 
 def test_rebind_keeps_the_plan_for_tensors_of_the_same_shapes() -> None:
-    params, buf = _buffer([(2, 3), (4,)], cap=8)
+    _, buf = _buffer([(2, 3), (4,)], cap=8)
     plan = buf.plan
     other = [torch.zeros(2, 3, requires_grad=True), torch.zeros(4, requires_grad=True)]
     assert buf.rebind(other) and buf.plan is plan and buf.params == other
