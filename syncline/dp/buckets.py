@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from syncline.errors import ConfigError
+from syncline.fields import check_int
 
 
 @dataclass(frozen=True)
@@ -104,13 +105,10 @@ def plan_buckets(
     sizes = [element_size] if isinstance(element_size, int) else list(element_size)
     if any(k < 0 or k >= len(sizes) for k in kind_of):
         raise ConfigError(f"kinds={kind_of} must index element_size={sizes}")
-    if any(e <= 0 for e in sizes) or cap_bytes <= 0:
-        raise ConfigError(
-            f"element_size={element_size} and cap_bytes={cap_bytes} must both be positive"
-        )
-    first = cap_bytes if first_cap_bytes is None else first_cap_bytes
-    if first <= 0:
-        raise ConfigError(f"first_cap_bytes={first_cap_bytes} must be positive")
+    for size in sizes:
+        check_int("element_size", size)
+    check_int("cap_bytes", cap_bytes)
+    first = check_int("first_cap_bytes", cap_bytes if first_cap_bytes is None else first_cap_bytes)
 
     offsets = [0] * n
     cursor = [0] * len(sizes)
