@@ -13,8 +13,12 @@ step);
 :mod:`~syncline.pipeline.shapes` (each boundary's message inferred on fake tensors);
 :mod:`~syncline.pipeline.links` (messages: gloo's early receives, NCCL's groups);
 :mod:`~syncline.pipeline.timing` (each action's interval, CUDA events on a GPU);
-:mod:`~syncline.pipeline.calls` (one call's loop) and :mod:`~syncline.pipeline.runtime`
-(the API; executes the actions, talking through :mod:`syncline.comm`).
+:mod:`~syncline.pipeline.context` (the per-rank state the handlers share);
+:mod:`~syncline.pipeline.actions` (one ``handler(action, ctx)`` per action kind);
+:mod:`~syncline.pipeline.calls` (one call's loop); :mod:`~syncline.pipeline.setup` (the stages
+built once, by the first call that needs them); :mod:`~syncline.pipeline.reports` (bytes,
+memory, timeline) and :mod:`~syncline.pipeline.runtime` (the API, composing them; it talks
+through :mod:`syncline.comm`).
 
 Names are resolved lazily, so that the pure planner imports without torch.
 """

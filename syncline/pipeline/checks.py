@@ -14,6 +14,7 @@ from syncline.errors import ConfigError
 from syncline.partition import check_balance
 from syncline.pipeline.config import PipelineConfig
 from syncline.pipeline.links import max_tag
+from syncline.pipeline.split import check_no_shared_weights
 
 
 def check_device(backend: str, compute: torch.device, wire: torch.device, size: int) -> None:
@@ -56,6 +57,7 @@ def check_args(
             )
         if config.balance is not None:
             check_balance(list(config.balance), len(module), d)
+            check_no_shared_weights(module, config.balance)  # a profiled one: once profiled
     if max_tag(d, m) > MAX_TAG:
         raise ConfigError(f"num_stages * num_microbatches={d * m} is too large for message tags")
 

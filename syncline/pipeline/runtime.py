@@ -1,8 +1,11 @@
 """The pipeline runtime: executes this rank's slice of a generated schedule, action by action.
 
-A ``train_step`` call picks the slice (:mod:`syncline.schedule.plan`), relabels it with the
-global batch number and runs each action through one handler per ``ActionKind``; the order
-is the generator's, never re-derived here. Each action is timed for :meth:`Pipeline.trace`.
+A ``train_step`` call picks the slice (:mod:`syncline.schedule.plan`) and hands it to the
+call loop (:mod:`syncline.pipeline.calls`), which relabels it with the global batch number
+and runs each action as ``handler(action, ctx)`` (:mod:`syncline.pipeline.actions`) on this
+rank's :class:`~syncline.pipeline.context.PipelineContext`; the order is the generator's,
+never re-derived here. Each action is timed for :meth:`Pipeline.trace`. The stages are built
+by the first call that needs them, never by the constructor (:mod:`syncline.pipeline.setup`).
 Any failure is re-raised naming the rank, the stage, the step (global batch) and the
 action; a peer that waits on a failed rank gets a connection error or times out after
 ``timeout_s``, naming its own rank, step and action, so no rank hangs. After a failure the
@@ -24,9 +27,8 @@ stages average the batch loss before broadcasting it, so every rank returns the 
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal, cast, overload
+from typing import Any, Literal, overload
 
 import torch
 from torch import nn
@@ -39,43 +41,28 @@ from syncline.dp.precision import LossScaler
 from syncline.errors import CommError, ConfigError
 from syncline.models.meta_init import LayerInit
 from syncline.models.meta_modules import ModuleInit
-from syncline.partition import stage_bounds
-from syncline.pipeline.batches import Batch, Inputs, split_inputs, take_batch, to_device
-from syncline.pipeline.build import (
-    build_stages,
-    build_traced_stages,
-    profiled_split,
-    sequential_boundaries,
-    traced_boundaries,
-)
+from syncline.pipeline import reports
+from syncline.pipeline.batches import Batch, Inputs, split_inputs, take_batch
 from syncline.pipeline.calls import CallRunner, StageError
 from syncline.pipeline.checks import check_args, check_callables, check_device
 from syncline.pipeline.config import DEFAULT_SCHEDULE, PipelineConfig
+from syncline.pipeline.context import PipelineContext
 from syncline.pipeline.evaluate import ForwardOnly
-from syncline.pipeline.links import Links, tied_tag
+from syncline.pipeline.links import Links, Signature
+from syncline.pipeline.memory import StageMemoryStats
 from syncline.pipeline.precision import PipelinePrecision
 from syncline.pipeline.replicas import StageReplicas, check_compression, check_groups
-from syncline.pipeline.reports import PipelineReports
-from syncline.pipeline.shapes import BoundaryShapes
+from syncline.pipeline.setup import StageSetup
 from syncline.pipeline.split import full_state
 from syncline.pipeline.stage import LossFn, OptimizerFactory, Stage
-from syncline.pipeline.tied import TiedGradients
 from syncline.pipeline.timing import ActionClock
-from syncline.pipeline.trace import TracedModel
-from syncline.schedule import (
-    SCHEDULES,
-    Action,
-    ActionKind,
-    Plan,
-    build_plan,
-)
+from syncline.schedule import SCHEDULES, Action, Plan, Timeline, build_plan
 from syncline.schedule.nccl import nccl_plan
 
-K = ActionKind
 Batches = Iterator[tuple[Any, torch.Tensor]]
 
 
-class Pipeline(CallRunner, PipelineReports):
+class Pipeline:
     """Pipeline-parallel training of an ``nn.Sequential``, or of any model split at named
     modules: one rank per stage, optionally times ``w`` data-parallel replicas of the whole
     pipeline.
@@ -117,9 +104,11 @@ class Pipeline(CallRunner, PipelineReports):
             replicas); both groups from :func:`syncline.comm.build_pipeline_groups`. Each
             pipeline trains on its own batches (give each replica its shard); REDUCE
             averages every stage's gradient over its replicas, and ``train_step`` returns
-            the loss averaged over them. Construction broadcasts each stage's weights from
-            its first replica (a collective over the group, as DDP's), once the balance is
-            known; buffers (BatchNorm statistics) are not averaged afterwards.
+            the loss averaged over them. Each stage's weights are broadcast from its first
+            replica (a collective over the group, as DDP's construction does) when the
+            stages are built: by :meth:`prepare` or the first call that needs them, on every
+            rank, never by the constructor; buffers (BatchNorm statistics) are not averaged
+            afterwards.
         compression: a :class:`~syncline.dp.Compressor` for the REDUCE (default lossless;
             e.g. ``FP16()``, ``CSC(0.01)``). Unused without replicas.
         reduce_bucket_mb: the REDUCE's bucket size in MiB (``0``: one bucket per stage); each
@@ -197,90 +186,65 @@ class Pipeline(CallRunner, PipelineReports):
             precision=precision,
             reduce_bucket_mb=reduce_bucket_mb,
         )
-        self._split_points = None if split_points is None else list(split_points)
-        check_args(module, config, self._split_points)
+        points = None if split_points is None else list(split_points)
+        check_args(module, config, points)
         check_callables(loss_fn, optimizer)
         self.config = config
         self._compression = check_compression(compression)
         width = (
             1 if data_parallel_group is None else check_groups(process_group, data_parallel_group)
         )
-        self._d, self._m = num_stages, num_microbatches
         size = comm.group_size(process_group)
         self._plan: Plan = build_plan(
             schedule, size, num_stages, num_microbatches, recompute=recompute
         )
-        self._module = module
         self._loss_fn, self._optimizer = loss_fn, optimizer
-        self._recompute = recompute
         self._track_memory = bool(track_memory)
-        self._group = process_group
-        self._rank = comm.group_rank(process_group)
-        self._timeout_s = float(timeout_s)
-        self._init, self._seed = init, seed
+        rank = comm.group_rank(process_group)
+        timeout = float(timeout_s)
         first = next(module.parameters(), None)
         default = first.device if first is not None and not first.is_meta else torch.device("cpu")
-        self._device = torch.device(device) if device is not None else default
+        compute = torch.device(device) if device is not None else default
         backend = comm.backend_name(process_group)
         if backend != "gloo":  # the order NCCL cannot deadlock on (syncline.schedule.nccl)
             self._plan = nccl_plan(self._plan)
-        wire = comm_device(backend, self._device)
-        check_device(backend, self._device, wire, size)
+        wire = comm_device(backend, compute)
+        check_device(backend, compute, wire, size)
         dp = [data_parallel_group] if width > 1 else []
-        self._precision = PipelinePrecision(precision, [process_group, *dp], self._timeout_s,
-            self._device, self._compression if dp else None)  # fmt: skip
-        unscale = self._precision.unscale_bucket if self._precision.in_reduce else None
-        self._replicas = (
-            StageReplicas(data_parallel_group, self._compression, self._timeout_s,
+        mixed = PipelinePrecision(precision, [process_group, *dp], timeout, compute,
+                                  self._compression if dp else None)  # fmt: skip
+        unscale = mixed.unscale_bucket if mixed.in_reduce else None
+        replicas = (
+            StageReplicas(data_parallel_group, self._compression, timeout,
                           num_stages=num_stages, bucket_cap_mb=reduce_bucket_mb,
-                          allreduce=replica_allreduce, prepare=unscale, device=self._device)
+                          allreduce=replica_allreduce, prepare=unscale, device=compute)
             if width > 1
             else None
         )  # fmt: skip
-        self._last_rank = self._plan.schedule.rank_of(num_stages - 1)
-        self._stages: dict[int, Stage] = {}
-        self._balance: list[int] | None = None
-        self._traced: TracedModel | None = None  # split at split_points, once set up
-        self._tied: TiedGradients | None = None
-        self._next_batch = 0  # global index of the next batch taken from the iterator
-        self._evals = 0  # forward-only passes so far (they number their messages)
-        self._queued: Batch | None = None  # taken, no work done yet
-        self._in_flight: Batch | None = None  # 2BW: taken, first forwards done
-        self._batches: dict[int, Batch] = {}
-        self._inbox: dict[tuple[ActionKind, int, int, int], torch.Tensor] = {}
-        self._final: set[Action] = set()  # this call's backwards that arm a REDUCE
-        self._boundaries: BoundaryShapes | None = None  # inferred shapes, once set up
-        self._links = Links(
-            PointToPoint(process_group, timeout_s=self._timeout_s, device=wire),
+        self._setup = StageSetup(
+            module, config, split_points=points, plan=self._plan, group=process_group,
+            timeout_s=timeout, seed=seed, init=init, make_stage=self._make_stage,
+        )  # fmt: skip
+        links = Links(
+            PointToPoint(process_group, timeout_s=timeout, device=wire),
             self._plan.schedule,
             num_microbatches,
             early=backend == "gloo",
             grouped=backend != "gloo",
             signature=self._signature,
-            infer=self._infer,
+            infer=self._setup.infer,
         )
-        self._connected = backend == "gloo"  # NCCL: one collective before the first group
-        self._ahead: dict[str, list[tuple[int, ActionKind, int, int]]] = {}
-        self._clock = ActionClock(self._device, self._rank)
-        self._broken: str | None = None
-        self._call = 0
-        self._handlers: dict[ActionKind, Callable[[Action], None]] = {
-            K.RECV_F: self._recv,
-            K.RECV_B: self._recv,
-            K.FORWARD: self._forward,
-            K.SEND_F: self._send,
-            K.RECOMPUTE: self._recompute_action,
-            K.BACKWARD: self._backward,
-            K.SEND_B: self._send,
-            K.REDUCE: self._reduce,
-            K.STEP: self._step,
-        }
-        if balance is not None:
-            self._setup(list(balance))
-
-    @property
-    def _ready(self) -> bool:
-        return self._balance is not None or self._traced is not None
+        self._ctx = PipelineContext(
+            rank=rank, num_stages=num_stages, last_rank=self._plan.schedule.rank_of(num_stages - 1),
+            device=compute, recompute=recompute, links=links, precision=mixed, replicas=replicas,
+        )  # fmt: skip
+        # NCCL: one collective before the first group of sends and receives
+        self._calls = CallRunner(self._ctx, self._plan.num_ranks, ActionClock(compute, rank),
+                                 connected=backend == "gloo")  # fmt: skip
+        self._next_batch = 0  # global index of the next batch taken from the iterator
+        self._evals = 0  # forward-only passes so far (they number their messages)
+        self._queued: Batch | None = None  # taken, no work done yet
+        self._in_flight: Batch | None = None  # 2BW: taken, first forwards done
 
     # -- public ------------------------------------------------------------------------------
 
@@ -292,21 +256,21 @@ class Pipeline(CallRunner, PipelineReports):
     @property
     def balance(self) -> list[int]:
         """Layers per stage (after the first ``train_step`` when it was profiled)."""
-        self._require_setup()
-        if self._balance is None:
+        if self._setup.balance is None:
+            self._setup.build(self._ctx)  # raises unless built (a traced model)
             raise ConfigError("a pipeline split at split_points has no balance")
-        return list(self._balance)
+        return list(self._setup.balance)
 
     @property
     def stages(self) -> list[int]:
         """The stages this rank runs."""
-        return self._plan.stages_of(self._rank)
+        return self._plan.stages_of(self._ctx.rank)
 
     @property
     def stage_module(self) -> nn.Module:
         """This rank's layers with the newest weights (interleaved: an ``nn.ModuleList``)."""
-        self._require_setup()
-        mods = [self._stages[s].module for s in self.stages]
+        self._setup.build(self._ctx)
+        mods = [self._ctx.stages[s].module for s in self.stages]
         return mods[0] if len(mods) == 1 else nn.ModuleList(mods)
 
     def local_state_dict(self, *, keep_vars: bool = False) -> dict[str, torch.Tensor]:
@@ -315,15 +279,14 @@ class Pipeline(CallRunner, PipelineReports):
         The union over all ranks is ``module.state_dict()`` of the trained model (detached
         copies, or with ``keep_vars`` the live tensors; tied weights under each name).
         """
-        self._require_setup()
+        self._setup.build(self._ctx)
         out = {}
         for s in self.stages:
             out.update(self._full_state(s))
         return out if keep_vars else {k: v.detach().clone() for k, v in out.items()}
 
     def _full_state(self, s: int) -> dict[str, torch.Tensor]:
-        first = None if self._balance is None else stage_bounds(self._balance)[s][0]
-        return full_state(self._stages[s].module, first)
+        return full_state(self._ctx.stages[s].module, self._setup.first_layer(s))
 
     def load_local_state_dict(self, state: dict[str, torch.Tensor], next_batch: int) -> None:
         """Resume from a checkpoint: this rank's layers take their weights and buffers from
@@ -335,7 +298,7 @@ class Pipeline(CallRunner, PipelineReports):
         Raises:
             ConfigError: work is in flight, or ``state`` lacks one of this rank's tensors.
         """
-        self._require_setup()
+        self._setup.build(self._ctx)
         if self._in_flight is not None or self._queued is not None:
             raise ConfigError("load_local_state_dict: a batch is in flight; flush() first")
         self.flush()  # 2BW: drop the older version, so that only the loaded one is held
@@ -343,7 +306,7 @@ class Pipeline(CallRunner, PipelineReports):
         if missing:
             raise ConfigError(f"load_local_state_dict: no value for {missing[:5]}")
         for s in self.stages:
-            self._stages[s].load_state(state, list(self._full_state(s)), next_batch)
+            self._ctx.stages[s].load_state(state, list(self._full_state(s)), next_batch)
         self._next_batch = next_batch
 
     @property
@@ -354,18 +317,18 @@ class Pipeline(CallRunner, PipelineReports):
     @property
     def loss_scaler(self) -> LossScaler | None:
         """fp16's loss scale (its ``state_dict`` belongs in a checkpoint); else ``None``."""
-        return self._precision.scaler
+        return self._ctx.precision.scaler
 
     @property
     def data_parallel_size(self) -> int:
         """Replicas of each stage (1: a single pipeline)."""
-        return 1 if self._replicas is None else self._replicas.size
+        return 1 if self._ctx.replicas is None else self._ctx.replicas.size
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """One optimizer per local stage, in stage order."""
-        self._require_setup()
-        return [self._stages[s].optimizer for s in self.stages]
+        self._setup.build(self._ctx)
+        return [self._ctx.stages[s].optimizer for s in self.stages]
 
     @overload
     def train_step(self, batches: Batches, *, return_tensor: Literal[False] = False) -> float: ...
@@ -395,7 +358,7 @@ class Pipeline(CallRunner, PipelineReports):
         in_flight = self._in_flight is not None
         current = self._in_flight or self._queued or self._take(batches)
         self._queued = None if in_flight else current  # kept if the next batch is bad
-        self._setup_on(current)
+        self._setup.build(self._ctx, current)
         nxt = None
         if self._plan.overlapping:
             try:
@@ -403,7 +366,7 @@ class Pipeline(CallRunner, PipelineReports):
             except StopIteration:
                 nxt = None
         self._queued = self._in_flight = None
-        loss = self._run_call(self._plan.choose(in_flight, nxt is not None), current, nxt)
+        loss = self._calls.run(self._plan.choose(in_flight, nxt is not None), current, nxt)
         self._in_flight = nxt
         return loss if return_tensor else float(loss.item())
 
@@ -423,9 +386,9 @@ class Pipeline(CallRunner, PipelineReports):
         loss = None
         if self._in_flight is not None:
             current, self._in_flight = self._in_flight, None
-            loss = self._run_call(self._plan.segments["drain"], current, None)
-        self._links.wait_sends(self._call, everything=True)
-        for stage in self._stages.values():
+            loss = self._calls.run(self._plan.segments["drain"], current, None)
+        self._ctx.links.wait_sends(self._ctx.call, everything=True)
+        for stage in self._ctx.stages.values():
             stage.end_run()
         if loss is None or return_tensor:
             return loss
@@ -435,8 +398,8 @@ class Pipeline(CallRunner, PipelineReports):
         """The mean loss of the next batch of ``batches``, forward only, on every rank (with
         replicas: averaged over them): no gradients, no weight versions or optimizer
         touched, so it may come between any two training calls (:mod:`.evaluate`)."""
-        batch = take_batch(batches, self._evals, self._m)
-        self._check_inputs(batch)
+        batch = take_batch(batches, self._evals, self.config.num_microbatches)
+        self._setup.check_inputs(batch)
         return float(self._forward_only(lambda run: run.loss(batch.inputs, batch.targets)))
 
     def predict(self, inputs: Inputs) -> torch.Tensor:
@@ -444,108 +407,106 @@ class Pipeline(CallRunner, PipelineReports):
         model: micro-batches of the traced shape), forward only and in ``eval()`` mode, on
         every rank (from the last stage's rank)."""
         first = inputs if isinstance(inputs, torch.Tensor) else next(iter(inputs.values()))
-        parts = split_inputs(inputs, -(-len(first) // self._m))
-        self._check_inputs(Batch(-1, parts, ()))
+        parts = split_inputs(inputs, -(-len(first) // self.config.num_microbatches))
+        self._setup.check_inputs(Batch(-1, parts, ()))
         return self._forward_only(lambda run: run.outputs(parts))
 
     def _forward_only(self, what: Callable[[ForwardOnly], Any]) -> Any:
         self._check_usable()
-        self._require_setup()
+        ctx = self._ctx
+        self._setup.build(ctx)
         self._evals += 1
-        run = ForwardOnly(self._links.p2p, self._plan.schedule, self._stages, self._m,
-                          self._device, self._evals, self._loss_fn, self._replicas,
-                          in_lockstep=self._links.grouped)  # fmt: skip
+        run = ForwardOnly(ctx.links.p2p, self._plan.schedule, ctx.stages,
+                          self.config.num_microbatches, ctx.device, self._evals, self._loss_fn,
+                          ctx.replicas, in_lockstep=ctx.links.grouped)  # fmt: skip
         try:
             return what(run)
         except CommError as exc:
-            self._broken = str(exc)
+            ctx.broken = str(exc)
             raise
+
+    # -- reports (read from what the runtime recorded: syncline.pipeline.reports) ----------
+
+    @property
+    def wire_bytes(self) -> dict[str, int]:
+        """Payload bytes this rank has sent so far: ``activations``, ``gradients`` (to the
+        neighbouring stages) and ``reduce`` (to its replicas, as compressed)."""
+        return reports.wire_bytes(self._ctx)
+
+    @property
+    def early_reduce_buckets(self) -> int:
+        """REDUCE buckets started inside a backward, before their REDUCE action (replicas
+        only): how much of the replicas' averaging overlapped the last backward."""
+        return reports.early_reduce_buckets(self._ctx)
+
+    def memory_stats(self) -> dict[int, StageMemoryStats]:
+        """Per local stage: peak stashed activations and weight versions (measured)."""
+        self._setup.build(self._ctx)
+        return reports.memory_stats(self._ctx, self.stages)
+
+    def reset_memory_stats(self) -> None:
+        reports.reset_memory_stats(self._ctx)
+
+    def trace(self, *, origin: float | None = None) -> Timeline:
+        """This rank's executed actions as a :class:`~syncline.schedule.Timeline`, in seconds.
+
+        Times are ``time.perf_counter()`` minus ``origin`` (default: this rank's first
+        start); on CUDA each action's interval is that of its work on the device, from CUDA
+        events placed on the same clock (:mod:`syncline.pipeline.timing`; reading them waits
+        for the last ones). On Linux that clock is shared by the processes of a machine, so a
+        trainer can gather ``trace(origin=0.0)`` from every rank, subtract the smallest start
+        and merge the events; ``to_chrome_trace(timeline, us_per_unit=1e6)`` writes it.
+        """
+        return reports.timeline(self._calls.clock, self._plan.name, self._ctx.rank, origin)
 
     # -- setup -----------------------------------------------------------------------------
 
     def prepare(self, batch: tuple[Inputs, torch.Tensor]) -> None:
         """Build this rank's stages on ``batch`` (``(inputs, targets)``) without training:
         trace at ``split_points`` (or profile the balance, collectively) on its first
-        micro-batch, as the first :meth:`train_step` does by itself; a resumed run calls it
-        to load a checkpoint into built stages. Nothing happens once built; a batch that
+        micro-batch, as the first :meth:`train_step` does by itself; with a given
+        ``balance``, build them from it (with replicas: a collective). A resumed run calls
+        it to load a checkpoint into built stages. Nothing happens once built; a batch that
         does not split into the micro-batches raises ``ConfigError``."""
         self._check_usable()
-        if not self._ready:
-            self._setup_on(take_batch(iter((batch,)), self._next_batch, self._m))
+        if not self._setup.needs_batch:
+            self._setup.build(self._ctx)
+            return
+        m = self.config.num_microbatches
+        self._setup.build(self._ctx, take_batch(iter((batch,)), self._next_batch, m))
 
-    def _setup_on(self, current: Batch) -> None:
-        """Trace (split points) or profile (no balance) on ``current``'s first micro-batch."""
-        if self._split_points is not None and self._traced is None:
-            self._setup_traced(to_device(current.inputs[0], self._device))
-        if not self._ready:
-            sample = current.inputs[0]
-            assert isinstance(self._module, nn.Sequential) and isinstance(sample, torch.Tensor)
-            self._setup(
-                profiled_split(
-                    self._module, sample.to(self._device), self._d, rank=self._rank,
-                    group=self._group, replicas=self._replicas, timeout_s=self._timeout_s,
-                    seed=self._seed, init=cast(LayerInit | None, self._init),
-                )
-            )  # fmt: skip
-
-    def _require_setup(self) -> None:
-        if not self._ready:
-            raise ConfigError(
-                "balance=None: the split is profiled in the first train_step; call it first, "
-                "or pass balance=[...]"
-            )
+    def _use_grouped(self, *, ordered: bool = True) -> None:
+        """Run the NCCL protocol on any backend (tests on gloo, before the first call): the
+        plan in NCCL's order, each run of SEND/RECV as one group, inferred shapes, and with
+        ``ordered`` one wire tag, so that gloo pairs messages in issue order as NCCL does."""
+        self._plan = nccl_plan(self._plan)
+        self._ctx.links.use_grouped(ordered=ordered)
 
     def _check_usable(self) -> None:
-        if self._broken is not None:
-            raise StageError(f"rank {self._rank}: pipeline stopped after a failure: {self._broken}")
+        if self._ctx.broken is not None:
+            raise StageError(
+                f"rank {self._ctx.rank}: pipeline stopped after a failure: {self._ctx.broken}"
+            )
 
-    def _setup(self, split: list[int]) -> None:
-        assert isinstance(self._module, nn.Sequential)
-        self._stages = build_stages(
-            self._module, split, self.stages, device=self._device, seed=self._seed,
-            init=cast(LayerInit | None, self._init), replicas=self._replicas,
-            shape=self._shape(), make_stage=self._make_stage,
-        )  # fmt: skip
-        self._balance = split
-        self._boundaries = sequential_boundaries(
-            self._module, split, self._device, self._precision.autocast
-        )
-
-    def _setup_traced(self, example: Inputs) -> None:
-        """Split the model at the split points on ``example`` (one micro-batch) and build
-        this rank's stages (every rank traces: stage modules cannot be pickled)."""
-        assert self._split_points is not None
-        traced, self._stages = build_traced_stages(
-            self._module, self._split_points, example, self.stages, device=self._device,
-            seed=self._seed, init=cast(ModuleInit | None, self._init),
-            replicas=self._replicas, shape=self._shape(), make_stage=self._make_stage,
-        )  # fmt: skip
-        self._tied = TiedGradients(
-            self._links.p2p, traced.tied, self._plan.schedule.rank_of,
-            lambda group, batch, stage: tied_tag(self._d, group, batch, stage),
-        )  # fmt: skip
-        self._traced = traced
-        self._boundaries = traced_boundaries(traced, self._precision.precision)
-
-    def _shape(self) -> list[int]:
-        """What every replica of this rank's stages must agree on."""
-        name = zlib.crc32(self._plan.name.encode())
-        return [self._rank, self._plan.num_ranks, self._d, self._m, name, int(self._recompute)]
+    def _signature(self, a: Action) -> Signature:
+        """Shape and dtype of the micro-batch input behind ``a`` (known on every rank)."""
+        assert a.batch is not None and a.microbatch is not None
+        x = self._ctx.batches[a.batch].inputs[a.microbatch]
+        if isinstance(x, torch.Tensor):
+            return tuple(x.shape), x.dtype
+        first = next(iter(x.values()))  # traced: one shape per input, fixed by the trace
+        return tuple(first.shape), first.dtype
 
     def _make_stage(self, s: int, part: nn.Module) -> Stage:
         return Stage(
-            s, part, last=s == self._d - 1, loss_fn=self._loss_fn, optimizer=self._optimizer,
-            num_microbatches=self._m, versioned=SCHEDULES.get(self._plan.name).versioned,
-            track_memory=self._track_memory, precision=self._precision,
+            s, part, last=s == self.config.num_stages - 1, loss_fn=self._loss_fn,
+            optimizer=self._optimizer, num_microbatches=self.config.num_microbatches,
+            versioned=SCHEDULES.get(self._plan.name).versioned,
+            track_memory=self._track_memory, precision=self._ctx.precision,
         )  # fmt: skip
 
-    def _check_inputs(self, batch: Batch) -> None:
-        """A traced model runs only micro-batches of the traced shape (every rank checks)."""
-        if self._traced is not None:
-            self._traced.check_parts(batch.inputs)
-
     def _take(self, batches: Iterator[Any]) -> Batch:
-        batch = take_batch(batches, self._next_batch, self._m)
-        self._check_inputs(batch)
+        batch = take_batch(batches, self._next_batch, self.config.num_microbatches)
+        self._setup.check_inputs(batch)
         self._next_batch += 1
         return batch

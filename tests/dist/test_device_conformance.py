@@ -306,6 +306,36 @@ def test_pipeline_with_replicas_on_device(schedule: str, rank: int) -> None:
     _check(result)
 
 
+def _construction_rank(rank: int, world: int) -> dict[str, list[str]]:
+    """The torch.distributed calls of each phase: a pipeline with replicas constructed with
+    its balance, then its first step."""
+    del rank, world
+    spy = Conformance(META)
+    with force_backend_name("nccl"), spy:
+        pipe_group, dp_group = comm.build_pipeline_groups(2)
+        model = _mlp()
+        spy.phase("construction")
+        pipe = Pipeline(
+            model, num_stages=2, num_microbatches=4, schedule="1f1b", loss_fn=F.mse_loss,
+            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01), balance=[4, 3],
+            process_group=pipe_group, data_parallel_group=dp_group, device=META, timeout_s=30,
+        )  # fmt: skip
+        spy.phase("first step")
+        pipe.train_step(_batches(), return_tensor=True)
+    calls: dict[str, list[str]] = {}
+    for call in spy.calls:
+        calls.setdefault(call.phase, []).append(call.op)
+    return calls
+
+
+def test_a_pipeline_constructor_does_not_communicate() -> None:
+    """Constructors store and check settings: the stages are built, and each stage's weights
+    broadcast from its first replica, by the first call that needs them."""
+    calls = run_fake_rank(_construction_rank, 0, 4, timeout_s=120)
+    assert calls.get("construction", []) == []
+    assert "broadcast" in calls["first step"], calls
+
+
 def test_pipeline_over_gloo_on_a_device_is_refused() -> None:
     """gloo has no device send/recv: refused at construction, before anything is sent."""
     result = run_fake_rank(_pipe_rank, 0, 2, "1f1b", "gloo", False, "none", timeout_s=120)

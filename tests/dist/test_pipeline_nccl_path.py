@@ -62,11 +62,11 @@ def _two_ranks(rank: int, world: int) -> dict:
         out[name] = _both_ways(schedules.PARITY[2][name], data)
     # the header protocol's shapes (inference off) against inference
     pipe = schedules.PARITY[2]["1f1b"].pipeline(timeout_s=30)
-    pipe._links.infer = None
+    pipe._ctx.links.infer = None
     _train(pipe, "1f1b", data)
-    book = pipe._links.shapes._book
+    book = pipe._ctx.links.shapes._book
     out["learnt"] = {key: like for key, (like, _) in book.items()}
-    out["inferred"] = {(edge, sig): pipe._infer(edge, sig) for (edge, sig) in out["learnt"]}
+    out["inferred"] = {(edge, sig): pipe._setup.infer(edge, sig) for (edge, sig) in out["learnt"]}
     out["reads_values"] = _reads_values()
     out["evaluated"] = _evaluated_between_steps(data)
     out["shrinks"] = _shrinks()  # last: it leaves the pair of ranks mid-message
@@ -197,7 +197,7 @@ def _reads_values() -> dict:
         pipe = _value_pipe(schedule)
         pipe._use_grouped(ordered=True)
         out[schedule] = (gloo, _train(pipe, schedule, data))
-        out[f"{schedule}-inferred"] = pipe._infer(0, ((2, 6), torch.float32))
+        out[f"{schedule}-inferred"] = pipe._setup.infer(0, ((2, 6), torch.float32))
     return out
 
 
@@ -333,7 +333,7 @@ def test_the_nccl_path_reads_nothing_on_the_host(name: str) -> None:
                 loss_fn=lm_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
                 balance=[4 // depth] * depth, device="meta", timeout_s=10, **groups,
             )  # fmt: skip
-            assert pipe._links.grouped
+            assert pipe._ctx.links.grouped
             batches = iter([(x.to("meta"), y.to("meta")) for x, y in lm_batches()])
             losses = [pipe.train_step(batches, return_tensor=True) for _ in range(STEPS)]
             pipe.flush(return_tensor=True)

@@ -64,7 +64,7 @@ def _train(name: str, pipe_group: comm.Group, dp_group: comm.Group) -> dict:
         "compression": pipe.compression.state_dict(),
         "shapes": [tuple(p.shape) for p in pipe.stage_module.parameters()],
         "early_buckets": pipe.early_reduce_buckets,
-        "buckets": {s: r.num_buckets for s, r in pipe._replicas._reducers.items()},
+        "buckets": {s: r.num_buckets for s, r in pipe._ctx.replicas._reducers.items()},
     }
 
 
@@ -100,9 +100,11 @@ def _train_with(timeout_s: float = 30.0, **groups: comm.Group) -> Pipeline:
 
 
 def _late_replica(pipe_group: comm.Group, dp_group: comm.Group) -> str:
-    """Replica 1 starts its first step 3 s late: replica 0 waits in its REDUCE and times out."""
+    """Replica 1 starts its first step 3 s late: replica 0 waits in its REDUCE and times out.
+    Both build their stages first (the replicas' weight broadcast), on time."""
     pipe = _train_with(timeout_s=1.0, process_group=pipe_group, data_parallel_group=dp_group)
     replica = comm.group_rank(dp_group)
+    pipe.prepare(_shard(replica)[0])
     if replica == 1:
         time.sleep(3.0)
     try:

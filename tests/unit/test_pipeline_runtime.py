@@ -175,6 +175,18 @@ def test_profiled_balance_on_first_step() -> None:
     assert set(pipe.local_state_dict()) == set(_mlp().state_dict())
 
 
+def test_the_constructor_builds_nothing() -> None:
+    """Constructors store and check settings: the stages (here materialised from the meta
+    device) are built by the first call that needs them, not by ``Pipeline(...)``."""
+    with torch.device("meta"):
+        model = _mlp()
+    pipe = _pipe("1f1b", module=model)
+    assert pipe.balance == [5]
+    assert all(p.is_meta for p in model.parameters())
+    assert not any(p.is_meta for p in pipe.stage_module.parameters())
+    assert not any(p.is_meta for p in model.parameters())  # the stage holds the model's layers
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -59,7 +59,7 @@ class PipeCase:
             **kwargs,
         )
         if self.in_order:
-            pipe._links.early = False
+            pipe._ctx.links.early = False
         return pipe
 
     def reference(self) -> tuple[dict[str, torch.Tensor], list[float]]:
