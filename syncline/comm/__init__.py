@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from syncline.comm.collectives import (
         Collective,
         FlatAllreduce,
+        GradBucket,
         PackedBroadcast,
         Pending,
         allgather_objects,
@@ -54,6 +55,7 @@ _EXPORTS = {
         [
             "Collective",
             "FlatAllreduce",
+            "GradBucket",
             "PackedBroadcast",
             "Pending",
             "allgather_objects",
@@ -107,6 +109,7 @@ __all__ = [
     "AllreduceSpec",
     "Collective",
     "FlatAllreduce",
+    "GradBucket",
     "Group",
     "HierarchicalAllreduce",
     "PackedBroadcast",

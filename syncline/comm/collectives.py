@@ -92,6 +92,12 @@ class Pending:
             self.then()
 
 
+#: The bucket DDP hands a communication hook (``ddp.register_comm_hook``), named here so that
+#: the layers above can type a hook without importing torch.distributed (and must: DDP
+#: refuses a hook whose ``bucket`` annotation is anything but this very class).
+GradBucket = dist.GradBucket
+
+
 def completed(what: str, then: Callable[[], None] | None = None) -> Pending:
     """A :class:`Pending` with nothing in flight (single process, or purely local work)."""
     return Pending(works=[], what=what, timeout_s=0.0, rank=0, then=then)

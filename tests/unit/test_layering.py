@@ -64,7 +64,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("syncline.schedule", "syncline.partition"),
     ("syncline.comm", "syncline.launch"),
     ("syncline.models", "syncline.data", "syncline.optim"),
-    ("syncline.dp", "syncline.compression"),
+    # syncline.hooks: the compressors as DDP communication hooks (beside the engine)
+    ("syncline.dp", "syncline.compression", "syncline.hooks"),
     ("syncline.pipeline",),
     ("syncline.planner",),
     ("syncline.train",),
