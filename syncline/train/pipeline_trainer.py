@@ -414,11 +414,26 @@ def write_trace(timeline: Timeline, path: Path, stages_of: dict[int, list[int]])
 
 
 def _merge_states(gathered: list[dict[str, Any]], model: nn.Module) -> dict[str, torch.Tensor]:
-    """The union of every rank's stage weights: ``model.state_dict()`` of the trained model."""
-    state: dict[str, torch.Tensor] = {}
+    """Every rank's stage weights as ``model.state_dict()`` of the trained model: its keys,
+    in its order. A name the stages do not hold takes the value of another name of the same
+    tensor (BERT's ``cls.predictions.bias`` is its decoder's bias, which the stage keeps under
+    that name); what the stages hold beside (buffers a checkpoint leaves out, such as BERT's
+    position ids) is left out, so the result loads into the model strictly."""
+    held: dict[str, torch.Tensor] = {}
     for result in gathered:
-        state.update(result["state"])
-    missing = sorted(set(model.state_dict()) - set(state))
+        held.update(result["state"])
+    names: dict[int, list[str]] = {}
+    wanted = model.state_dict(keep_vars=True)
+    for key, tensor in wanted.items():
+        names.setdefault(id(tensor), []).append(key)
+    state: dict[str, torch.Tensor] = {}
+    missing = []
+    for key, tensor in wanted.items():
+        found = next((held[k] for k in [key, *names[id(tensor)]] if k in held), None)
+        if found is None:
+            missing.append(key)
+        else:
+            state[key] = found
     if missing:
         raise RuntimeError(f"the stages sent no values for {missing[:5]} (of {len(missing)})")
     return state
