@@ -18,7 +18,8 @@ DataParallel, the hook does this:
   one bucket at first, then buckets them in the order their gradients became ready). A
   compressor keeps residuals per bucket, so that first backward is reduced losslessly, as
   DataParallel's first step is for the same reason, and the compressor starts on the
-  buckets DDP keeps.
+  buckets DDP keeps. A compressor that owns the momentum (CSC) still receives that
+  backward's local gradients (``absorb``) when it starts, so its momentum misses no step.
 * **Futures.** A two-phase compressor (CSC: scores, then the chunks they select) issues its
   second collective from the training thread in an order every rank repeats
   (:class:`~syncline.dp.compressors._pending.PhaseOrder`); a future's callback runs on the
@@ -132,6 +133,12 @@ class HookState:
         #: the compressor's buckets: index -> the positions of its parameters, in order
         self._buckets: dict[int, tuple[int, ...]] = {}
         self._backward: _Backward | None = None
+        # a compressor that owns the momentum (CSC) gets the lossless first backward's local
+        # gradients, by position, when it starts on DDP's buckets (as DataParallel's does)
+        self._absorb: Callable[[int, torch.Tensor], None] | None = getattr(
+            compressor, "absorb", None
+        )
+        self._first_local: dict[int, torch.Tensor] = {}
 
     def __repr__(self) -> str:
         return f"HookState({self.compressor!r}, step={self.step})"
@@ -156,7 +163,8 @@ class HookState:
 
         A state saved before it compressed anything (after DDP's first backward only) has no
         buckets yet; the new DDP's first backward is then lossless too, one step more than
-        an uninterrupted run sends densely.
+        an uninterrupted run sends densely (and a compressor owning the momentum receives
+        that backward's gradient, not the saved one's: it is not in the state).
 
         Raises:
             ConfigError: a checkpoint of another compressor, of a model with other
@@ -201,7 +209,7 @@ class HookState:
         """The first hook of a backward: a model this state has not met starts learning."""
         learning = not params or id(params[0]) not in self._position
         if learning:
-            self._position, self._params = {}, []
+            self._position, self._params, self._first_local = {}, [], {}
         self._backward = _Backward(learning, adopting=not learning and not self._buckets)
         return self._backward
 
@@ -293,9 +301,14 @@ def _reduce(
         )
     ref = BucketRef(index, state.step, layout)
     if backward.learning and not state._buckets:  # DDP re-cuts these buckets: lossless
+        if state._absorb is not None:  # this rank's gradient, before it is averaged in place
+            for pos, (offset, shape) in zip(positions, layout, strict=True):
+                state._first_local[pos] = buffer[offset : offset + math.prod(shape)].clone()
         state._submit(state._dense, ref, buffer)
     elif backward.adopting and index not in state._buckets:
         state._buckets[index] = tuple(positions)
+        if state._absorb is not None and state._first_local:
+            state._absorb(index, torch.cat([state._first_local.pop(q) for q in positions]))
         state._submit(state.compressor, ref, buffer)
     elif state._buckets.get(index) == tuple(positions) and index not in backward.done:
         state._submit(state.compressor, ref, buffer)

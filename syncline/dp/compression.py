@@ -54,6 +54,12 @@ class Compressor(Protocol):
     second process group (:attr:`syncline.comm.FlatAllreduce.lane`), and a ``poll()`` method,
     which the engine calls from every gradient hook, issues the second collectives whose first
     is done without blocking (:class:`~syncline.dp.compressors._pending.PhaseOrder`).
+
+    Optional, for a compressor that owns the momentum (CSC): an ``absorb(index, grad)``
+    method, which the engine calls with a bucket's *local* gradient of a step it reduced
+    without the compressor (``DataParallel``'s lossless first step, a DDP hook's first
+    backward), laid out as the compressor's bucket ``index`` is, so that the momentum receives
+    every step's gradient.
     """
 
     name: str

@@ -50,7 +50,8 @@ from syncline.dp.ddp_surface import (
 )
 from syncline.dp.layout import GradBuffer, trainable_parameters
 from syncline.dp.placement import moved_to, placement
-from syncline.dp.reducer import Reducer, StepStats
+from syncline.dp.reducer import Reducer
+from syncline.dp.steps import StepStats
 from syncline.dp.tuning import autotune_choice
 from syncline.dp.verify import check_same_on_all_ranks
 from syncline.errors import ConfigError

@@ -15,7 +15,7 @@ gradients arrive in, which is all a process group needs for its collectives to p
 
 Starting a bucket is the same for both: autograd's fresh gradients are copied into the
 bucket's slice of the flat buffer in one batched copy
-(:meth:`~syncline.dp.layout.GradBuffer.gather_bucket`), an optional ``prepare(step,
+(:meth:`~syncline.dp.layout.GradBuffer.gather_bucket`), an optional ``prepare(step, k,
 bucket)`` runs on it (fp16 beside an error-feedback compressor: the unscale), and the
 compressor gets it as a :class:`~syncline.dp.compression.BucketRef` whose ``index`` keys the
 compressor's state for that bucket (CSC residuals, PowerSGD factors): the bucket number
@@ -44,8 +44,8 @@ class BucketLaunches:
             re-laid or re-cut buffer takes effect at the next reduction.
         collective: what every bucket's compressor talks through.
         key: the compressor's state key of bucket ``k`` (default: ``k``).
-        prepare: called as ``prepare(step, bucket)`` on each filled bucket before the
-            compressor takes it.
+        prepare: called as ``prepare(step, k, bucket)`` on each filled bucket ``k`` before
+            the compressor takes it.
         zero_missing: a member whose ``grad`` is ``None`` when its bucket starts counts as
             zero (a pipeline stage's tensor no backward reached); ``DataParallel`` settles
             such parameters itself before it starts their buckets.
@@ -57,7 +57,7 @@ class BucketLaunches:
         collective: Collective,
         *,
         key: Callable[[int], int] | None = None,
-        prepare: Callable[[int, torch.Tensor], None] | None = None,
+        prepare: Callable[[int, int, torch.Tensor], None] | None = None,
         zero_missing: bool = False,
     ) -> None:
         self.buffer = buffer
@@ -128,7 +128,7 @@ class BucketLaunches:
         buf.gather_bucket(k)
         bucket = buf.bucket(k)
         if self.prepare is not None:
-            self.prepare(self.step, bucket)
+            self.prepare(self.step, k, bucket)
         key = k if self._key is None else self._key(k)
         ref = BucketRef(key, self.step, buf.layouts[k])
         self.pending.append(self._compressor.reduce(ref, bucket, self.collective))

@@ -13,8 +13,8 @@ collectives in the same order whatever order its gradients arrive in.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,78 +24,15 @@ from syncline import comm
 from syncline.comm.collectives import Collective, Pending, host_list
 from syncline.comm.device import Stopwatch, comm_device
 from syncline.dp.autotune import BucketTuning
-from syncline.dp.compression import Compressor, NoCompression
+from syncline.dp.buckets import BucketPlan
+from syncline.dp.compression import Compressor, Layout, NoCompression
 from syncline.dp.config import DataParallelConfig
 from syncline.dp.launches import BucketLaunches
 from syncline.dp.layout import GradBuffer
 from syncline.dp.precision import unscale_and_flag
+from syncline.dp.steps import StepState, StepStats
 
-__all__ = ["Reducer", "StepState", "StepStats"]
-
-
-@dataclass
-class StepStats:
-    """What the last synchronised backward communicated.
-
-    Attributes:
-        watch: the wait at the end of backward, timed on the gradients' device (CUDA events
-            there: reading :attr:`exposed_comm_s` waits for that wait's end event, so a
-            loop that never reads it never synchronises).
-    """
-
-    step: int = 0
-    collectives: int = 0
-    wire_bytes: int = 0
-    dense_bytes: int = 0
-    watch: Stopwatch | None = None
-
-    @property
-    def exposed_comm_s(self) -> float:
-        """Seconds the compute waited for communication at the end of backward (on CUDA:
-        how long the compute stream waited for the collectives' stream)."""
-        return 0.0 if self.watch is None else self.watch.elapsed_s()
-
-
-class StepState:
-    """The engine's per-step bookkeeping, kept off the ``nn.Module``.
-
-    A module's ``__setattr__`` is slow (it checks for parameters, buffers and submodules), and
-    the engine sets many attributes every step; here attributes are plain slots.
-    """
-
-    # measured: ~10 us per nn.Module.__setattr__; ~17 a step were 0.2 ms of a 9 ms CNN step
-    __slots__ = (
-        "any_ready",
-        "backward_watch",
-        "deferred",
-        "in_backward",
-        "last_stats",
-        "order_seen",
-        "outputs_pending",
-        "ready",
-        "sparse_ready",
-        "sparse_used",
-        "steps_synced",
-        "sync_this_backward",
-        "syncs_done",
-        "used",
-    )
-
-    def __init__(self, num_params: int, num_sparse: int = 0) -> None:
-        self.sync_this_backward = True
-        self.used = [False] * num_params
-        self.sparse_used = [False] * num_sparse
-        self.sparse_ready = [False] * num_sparse
-        self.any_ready = False
-        self.outputs_pending = 0  # hooked outputs no backward has passed through yet
-        self.deferred = False  # a backward ended with the reduction still incomplete
-        self.steps_synced = 0
-        self.syncs_done = 0  # synchronised backwards since construction (the tuning clock)
-        self.backward_watch: Stopwatch | None = None  # first ready gradient -> end (tuning)
-        self.last_stats = StepStats()
-        self.ready: list[bool] = []
-        self.in_backward = False
-        self.order_seen: list[int] = []
+__all__ = ["Reducer"]
 
 
 class Reducer:
@@ -146,6 +83,10 @@ class Reducer:
         self.launches = BucketLaunches(buffer, collective)
         self._sync_launches = BucketLaunches(buffer, collective)
         self._sparse_pending: list[Pending] = []
+        # a compressor that owns the momentum gets the lossless first step's local gradient
+        # (its copy per bucket, taken before the reduction averages it in place)
+        self._absorbs = callable(getattr(compressor, "absorb", None))
+        self._first_local: dict[int, torch.Tensor] | None = None
         # fp16 beside an error-feedback compressor: buckets are unscaled before they reach
         # it, their non-finite values zeroed and flagged (see DataParallel.unscale_in_reduce)
         self._grad_scale = 1.0
@@ -250,8 +191,11 @@ class Reducer:
         st.in_backward = True
         if not self.launches.started:  # (a reduction left open by an earlier backward goes on)
             # the first synchronised step runs lossless: its buckets may still be re-laid
-            compressor = self.compressor if st.steps_synced > 0 else self.dense
-            self.launches.begin(st.steps_synced, compressor)
+            first = st.steps_synced == 0
+            self.launches.begin(st.steps_synced, self.dense if first else self.compressor)
+            self._first_local = {} if first and self._absorbs else None
+            needed = self._grad_scale != 1.0 or self._first_local is not None
+            self.launches.prepare = self._prepare if needed else None
         # timed only while the bucket tuning measures (on CUDA: events, read at the end)
         st.backward_watch = self._backward_watch.start() if self.tuning.pending else None
         torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
@@ -305,13 +249,16 @@ class Reducer:
         takes it (``1``: off); clears the overflow flag."""
         self._grad_scale = 1.0 / scale
         self.overflow = None
-        self.launches.prepare = None if scale == 1.0 else self._unscale
 
-    def _unscale(self, step: int, bucket: torch.Tensor) -> None:
-        """Divide a bucket by the loss scale; an inf or NaN is zeroed and noted in
-        ``overflow`` (:func:`syncline.dp.precision.unscale_and_flag`)."""
+    def _prepare(self, step: int, k: int, bucket: torch.Tensor) -> None:
+        """Before bucket ``k`` goes out: divide it by the loss scale (an inf or NaN is zeroed
+        and noted in ``overflow``, :func:`syncline.dp.precision.unscale_and_flag`); in the
+        lossless first step, keep this rank's copy for the compressor (:meth:`_absorb`)."""
         del step
-        self.overflow = unscale_and_flag(bucket, self._grad_scale, self.overflow)
+        if self._grad_scale != 1.0:
+            self.overflow = unscale_and_flag(bucket, self._grad_scale, self.overflow)
+        if self._first_local is not None:
+            self._first_local[k] = bucket.clone()
 
     def in_flight(self) -> list[Pending]:
         """The collectives of the current reduction: its buckets', then its sparse ones."""
@@ -349,8 +296,12 @@ class Reducer:
                 dense_bytes=buf.nbytes,
                 watch=exposed,
             )
+            plan, layouts = self.buf.plan, self.buf.layouts  # the first step's cut
             if st.steps_synced == 0 and self.config.rebuild_buckets:
                 self._rebuild_from_observed_order()
+            if self._first_local is not None:
+                self._absorb(self._first_local, plan, layouts)
+                self._first_local = None
             if self.tuning.pending and st.backward_watch is not None:
                 backward_s = st.backward_watch.stop().elapsed_s()  # tuning steps only
                 self.tuning.observe(backward_s, st.syncs_done, st.steps_synced)
@@ -361,6 +312,20 @@ class Reducer:
             buf.stand_in = [False] * len(buf.params)
         finally:
             self.reset()
+
+    def _absorb(
+        self, local: dict[int, torch.Tensor], plan: BucketPlan, layouts: list[Layout]
+    ) -> None:
+        """Hand the lossless first step's local gradients to the compressor that owns the
+        momentum, bucket by bucket as it will see them (the buffer may have been re-laid
+        since): its momentum receives every step's gradient, this one too."""
+        grads: dict[int, torch.Tensor] = {}
+        for k, flat in local.items():
+            for i, (offset, shape) in zip(plan.buckets[k].params, layouts[k], strict=True):
+                grads[i] = flat[offset : offset + math.prod(shape)]
+        absorb = self.compressor.absorb  # type: ignore[attr-defined]  # checked: _absorbs
+        for b in self.buf.plan.buckets:
+            absorb(b.index, torch.cat([grads[i] for i in b.params]))
 
     def _stays_open(self) -> bool:
         """Whether this reduction waits for a further backward (see [Note: end of backward])."""

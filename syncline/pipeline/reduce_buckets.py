@@ -79,10 +79,15 @@ class BucketedReduce:
             buffer = GradBuffer(list(tensors), (cap, cap), keep_spent=False)
             buffer.install(list(reversed(range(len(tensors)))))
             launches = BucketLaunches(
-                buffer, self._comm, key=self._key, prepare=self._prepare, zero_missing=True
+                buffer, self._comm, key=self._key, prepare=self._before, zero_missing=True
             )
             self._launches = launches
         return launches
+
+    def _before(self, batch: int, k: int, bucket: torch.Tensor) -> None:
+        del k
+        if self._prepare is not None:
+            self._prepare(batch, bucket)
 
     def arm(self, batch: int, tensors: Sequence[torch.Tensor]) -> None:
         """Start each bucket as the coming backward (``batch``'s last on this stage) makes

@@ -14,7 +14,7 @@ from torch import nn
 from syncline import DataParallel
 from syncline.comm import FlatAllreduce
 from syncline.dp.compression import BucketRef
-from syncline.dp.compressors import build_compressor
+from syncline.dp.compressors import CSC, build_compressor
 from syncline.dp.compressors import chunks as ch
 from syncline.dp.compressors.powersgd import matrix_shape, plan_matrices
 from syncline.dp.compressors.topk import topk_count
@@ -448,3 +448,53 @@ def test_two_engines_in_one_graph_each_on_its_own_lane_match_the_run_without_lan
             assert torch.equal(x, y)
     for x, y in zip(results[0][True], results[1][True], strict=True):
         assert torch.equal(x, y)
+
+
+# -- CSC owns the momentum: it receives every step's gradient ---------------------------------
+
+MOMENTUM_STEPS = 4
+
+
+def _momentum_rank(rank: int, world: int) -> dict:
+    """CSC dense (density 1, or its dense warm-up) with an fp32 wire, the optimizer without
+    momentum, every rank on the same batches (so the rank average is exact): momentum SGD."""
+    del rank, world
+    out = {}
+    specs = {
+        "density 1": CSC(1.0, wire_dtype=torch.float32),
+        "dense warm-up": CSC(0.01, warmup_steps=MOMENTUM_STEPS, wire_dtype=torch.float32),
+    }
+    for spec, csc in specs.items():
+        model = _seeded_mlp(0)
+        dp = DataParallel(model, bucket_cap_mb=0.0005, compression=csc)
+        opt = torch.optim.SGD(dp.parameters(), lr=0.1, momentum=0.0)
+        for step in range(MOMENTUM_STEPS):
+            x, y = _momentum_batch(step)
+            opt.zero_grad()
+            F.mse_loss(dp(x), y).backward()
+            opt.step()
+        out[spec] = {k: v.clone() for k, v in model.state_dict().items()}
+    return out
+
+
+def _momentum_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    return torch.randn(16, 16, generator=gen), torch.randn(16, 4, generator=gen)
+
+
+def test_csc_momentum_receives_the_first_steps_gradient_as_momentum_sgd_does() -> None:
+    """DataParallel reduces its first step losslessly (its buckets may still be re-laid);
+    CSC's momentum buffer still receives that step's gradient, so its dense steps are
+    heavy-ball momentum SGD bit for bit (before, the weights after step 1 differed)."""
+    model = _seeded_mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(MOMENTUM_STEPS):
+        x, y = _momentum_batch(step)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    want = model.state_dict()
+    for result in run_ranks(_momentum_rank, 2, timeout_s=60.0):
+        for spec, state in result.items():
+            for key, value in want.items():
+                assert torch.equal(state[key], value), (spec, key)

@@ -46,7 +46,7 @@ STEADY_STATE: dict[str, tuple[str, ...]] = {
         "Reducer._begin_backward",
         "Reducer.on_grad_ready",
         "Reducer.on_sparse_ready",
-        "Reducer._unscale",
+        "Reducer._prepare",
         "Reducer.in_flight",
         "Reducer.begin_forward",
         "Reducer.watch_outputs",

@@ -163,18 +163,30 @@ class CSC:
             return 1.0
         return float(self.density ** (step / self.warmup_steps))
 
-    def _accumulate(self, index: int, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Momentum correction ``u = m*u + g; v = v + u``; returns ``(u, v)``."""
+    def _state(self, index: int, grad: torch.Tensor) -> dict[str, torch.Tensor]:
         state = self._buckets.get(index)
         if state is None:
             state = {"u": torch.zeros_like(grad), "v": torch.zeros_like(grad)}
             self._buckets[index] = state
         check_numel("CSC", index, state["u"], grad.numel())
         to_device(state, grad.device, host=("credit",))  # restored state: still on the CPU
+        return state
+
+    def _accumulate(self, index: int, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Momentum correction ``u = m*u + g; v = v + u``; returns ``(u, v)``."""
+        state = self._state(index, grad)
         u, v = state["u"], state["v"]
         u.mul_(self.momentum).add_(grad)  # as torch.optim.SGD's buffer, to the last bit
         v.add_(u)
         return u, v
+
+    def absorb(self, index: int, grad: torch.Tensor) -> None:
+        """This rank's gradient of a step bucket ``index`` was reduced without CSC
+        (DataParallel's lossless first step, a DDP hook's first backward) enters the momentum
+        all the same, ``u = m*u + g``, so that the momentum receives every step's gradient, as
+        momentum SGD's buffer does; ``v`` is left as it is (a lossless dense step sent all of
+        ``u`` exactly and leaves nothing to feed back)."""
+        self._state(index, grad)["u"].mul_(self.momentum).add_(grad)
 
     def _budget(self, index: int, step: int, n_chunks: int) -> int:
         """Chunks bucket ``index`` sends at ``step``: its share ``density * n_chunks`` added to
