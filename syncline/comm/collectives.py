@@ -342,18 +342,19 @@ class PackedBroadcast:
         self._flat = flat
         return flat
 
-    def start(self, what: str) -> Pending:
+    def start(self, what: str, src: int | None = None) -> Pending:
         """Snapshot the tensors now and send them; waiting on the result overwrites them on
-        the other ranks. The previous round must have been waited on."""
+        the other ranks. The previous round must have been waited on. ``src``: this round's
+        sender, when not the one given at construction (under ``join()``, the sender is
+        agreed each round)."""
         if group_size(self._group) == 1 or not self._tensors:
             return completed(what)
+        src = self._src if src is None else src
         flat = self._flat if self._flat is not None else self._layout()
-        is_src = group_rank(self._group) == self._src
+        is_src = group_rank(self._group) == src
         if is_src:
             torch._foreach_copy_(self._slots, self._tensors)
-        global_src = (
-            self._src if self._group is None else dist.get_global_rank(self._group, self._src)
-        )
+        global_src = src if self._group is None else dist.get_global_rank(self._group, src)
         try:
             work = dist.broadcast(flat, src=global_src, group=self._group, async_op=True)
         except RuntimeError as exc:

@@ -12,16 +12,20 @@ source), so a new torch release's surface is covered without a list to keep.
 from __future__ import annotations
 
 import ast
+import copy
 import functools
 import inspect
 import textwrap
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from syncline.errors import ConfigError
 
-__all__ = ["ddp_attribute_names", "refusal", "refuse_unsupported"]
+if TYPE_CHECKING:
+    from syncline.dp.engine import DataParallel
+
+__all__ = ["ddp_attribute_names", "pickled_state", "refusal", "refuse_unsupported"]
 
 #: what to use instead of a DDP name DataParallel does not implement
 ALTERNATIVES = {
@@ -93,3 +97,27 @@ def refuse_unsupported(**given: Any) -> None:
         if value is not None:
             default = "False" if name == "skip_all_reduce_unused_params" else "None"
             raise ConfigError(_UNSUPPORTED.format(name=name, value=value, default=default))
+
+
+def pickled_state(dp: DataParallel) -> dict[str, Any]:
+    """What pickling (and deepcopy) of a DataParallel keep: what DDP's do, the module and the
+    settings; loaded, the wrapper is built again on the default group, with no broadcast. A
+    group, a collective object or a compressor's state would not come back: refused."""
+    args = dp._settings
+    if args["process_group"] is not None or not isinstance(args["allreduce"], str):
+        why = "its process group or collective does not survive pickling"
+    elif not dp._compressor.stateless:
+        why = f"its compressor {dp._compressor.name!r} keeps state a pickle would lose"
+    else:
+        dp.remove_hooks()
+        try:
+            module = copy.deepcopy(dp.module)
+        finally:
+            dp.install_hooks()
+        return {
+            "module": module,
+            "settings": {**args, "init_sync": False},
+            "train": dp.training,
+        }
+    hint = "save model.module.state_dict() (and compression_state_dict()) instead"
+    raise ConfigError(f"DataParallel cannot be pickled or deep-copied: {why}; {hint}")

@@ -25,7 +25,6 @@ and the bucket tuning :mod:`syncline.dp.autotune`.
 
 from __future__ import annotations
 
-import copy
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,9 +34,11 @@ import torch
 from torch import nn
 
 from syncline import comm
+from syncline.comm import join as comm_join
 from syncline.comm.collectives import Collective
 from syncline.comm.device import comm_device
 from syncline.comm.registry import build_allreduce
+from syncline.dp import join as _join
 from syncline.dp.autotune import BucketTuning
 from syncline.dp.buckets import BucketPlan
 from syncline.dp.compression import Compressor, NoCompression
@@ -45,6 +46,7 @@ from syncline.dp.config import DataParallelConfig
 from syncline.dp.ddp_surface import (
     ddp_attribute_names,
     own_attribute,
+    pickled_state,
     refusal,
     refuse_unsupported,
 )
@@ -69,7 +71,7 @@ _OWNER: weakref.WeakKeyDictionary[nn.Module, weakref.ReferenceType[DataParallel]
 )
 
 
-class DataParallel(nn.Module):
+class DataParallel(nn.Module, comm_join.Joinable):
     """Data parallelism over a process group; a training loop written for DDP works unchanged.
 
     Args:
@@ -263,6 +265,8 @@ class DataParallel(nn.Module):
         # are removed (the finalizer holds only their handle list, which stays the same list)
         self._finalizer = weakref.finalize(self, _remove_handles, self._reducer.hooks)
         self._world_size = comm.group_size(process_group)
+        comm_join.Joinable.__init__(self)  # not in a join context yet
+        self._join_state = _join.JoinState()
         self._sync_enabled = True
         self._sync_buffers_next = True  # DDP's require_forward_param_sync
         self._buffer_list: list[torch.Tensor] = []
@@ -304,16 +308,20 @@ class DataParallel(nn.Module):
         self._buf.spent.clear()
         if self._input_device is not None:  # DDP's device_ids[0]
             args, kwargs = moved_to((args, kwargs), self._input_device)
+        joining = self._join_config.enable  # in a join context (see syncline.dp.join)
+        if joining:
+            _join.notify(self)
         if self._sync_buffers_next and self.config.broadcast_buffers and self._world_size > 1:
             self._sync_buffers()
         training = torch.is_grad_enabled() and self._sync_enabled
         self._sync_buffers_next = training
+        step_comm = _join.announce(self, training) if joining else None
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)
         if self._lane_due:
             self._lane_due = False
             comm.open_lane(self._comm)
-        self._reducer.begin_forward(sync=self._sync_enabled)
+        self._reducer.begin_forward(sync=self._sync_enabled, collective=step_comm)
         self._buf.attach_grads(lazy=True)
         out = self.module(*args, **kwargs)
         if training:
@@ -331,8 +339,9 @@ class DataParallel(nn.Module):
             "the prior iteration')"
         )
 
-    def _sync_buffers(self) -> None:
-        """Give every rank rank 0's current buffers, before this forward, as DDP does.
+    def _sync_buffers(self, candidate: bool = True) -> None:
+        """Give every rank rank 0's current buffers, before this forward, as DDP does (in a
+        join context: the largest rank's still training, ``candidate`` says if this is one).
 
         The buffers are looked up again each time (a buffer reassigned since, ``m.b = m.b +
         1``, is sent too); while they stay the same tensors, the packed message and its
@@ -343,6 +352,7 @@ class DataParallel(nn.Module):
         buffers = self._buffers_to_sync()
         if not buffers:
             return
+        src = _join.buffer_source(self, candidate) if self._join_config.enable else 0
         same = len(buffers) == len(self._buffer_list) and all(
             a is b for a, b in zip(buffers, self._buffer_list, strict=True)
         )
@@ -352,9 +362,8 @@ class DataParallel(nn.Module):
                 buffers, group=self.process_group, timeout_s=self.config.timeout_s
             )
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
-            self._buffer_bcast.start(
-                f"buffer broadcast before step {self._reducer.steps_synced}"
-            ).wait()
+            what = f"buffer broadcast before step {self._reducer.steps_synced}"
+            self._buffer_bcast.start(what, src=src).wait()
 
     def _buffers_to_sync(self) -> list[torch.Tensor]:
         return [b for n, b in self.module.named_buffers() if n not in self._ignored]
@@ -474,13 +483,35 @@ class DataParallel(nn.Module):
             "or allreduce= (e.g. a HierarchicalAllreduce)"
         )
 
-    def join(self, *args: object, **kwargs: object) -> NoReturn:
-        """DDP's uneven-inputs context is not provided: refused rather than hanging later."""
-        del args, kwargs
-        raise ConfigError(
-            "DataParallel does not support join() (uneven inputs): give every rank the same "
-            "number of batches (e.g. a DistributedSampler with drop_last=True)"
-        )
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> comm_join.Join:
+        """DDP's context for uneven inputs, with DDP's arguments: ``with model.join(): for
+        batch in my_shard: ...``; a rank out of batches shadows the others' collectives
+        (:mod:`syncline.dp.join`). ``Join([model, ...])`` (torch's) works too.
+
+        Raises:
+            ConfigError: the compressor keeps per-rank state (CSC, TopK, PowerSGD)."""
+        joinables: list[comm_join.Joinable] = [self]
+        kw = {"divide_by_initial_world_size": divide_by_initial_world_size}
+        return comm_join.Join(joinables, enable, throw_on_early_termination, **kw)
+
+    def join_hook(self, **kwargs: Any) -> comm_join.JoinHook:
+        """torch's ``Joinable``: what a rank out of inputs runs (see :meth:`join`)."""
+        return _join.hook(self, **kwargs)
+
+    @property
+    def join_device(self) -> torch.device:
+        """torch's ``Joinable``: where the join context's own collectives run."""
+        return self._reducer.comm_device
+
+    @property
+    def join_process_group(self) -> Any:
+        """torch's ``Joinable``: the group (the default group itself when none was given)."""
+        return comm_join.join_group(self.process_group)
 
     def _supersede(self) -> None:
         """A newer DataParallel of the same module took over: detach and refuse to run."""
@@ -494,27 +525,8 @@ class DataParallel(nn.Module):
         )
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickling (and deepcopy) keep what DDP's do, the module and the settings; loaded,
-        the wrapper is built again on the default group, with no broadcast. A group, a
-        collective object or a compressor's state would not come back: refused."""
-        args = self._settings
-        if args["process_group"] is not None or not isinstance(args["allreduce"], str):
-            why = "its process group or collective does not survive pickling"
-        elif not self._compressor.stateless:
-            why = f"its compressor {self._compressor.name!r} keeps state a pickle would lose"
-        else:
-            self.remove_hooks()
-            try:
-                module = copy.deepcopy(self.module)
-            finally:
-                self.install_hooks()
-            return {
-                "module": module,
-                "settings": {**args, "init_sync": False},
-                "train": self.training,
-            }
-        hint = "save model.module.state_dict() (and compression_state_dict()) instead"
-        raise ConfigError(f"DataParallel cannot be pickled or deep-copied: {why}; {hint}")
+        """Pickling (and deepcopy) keep what DDP's do (:func:`~.ddp_surface.pickled_state`)."""
+        return pickled_state(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         DataParallel.__init__(self, state["module"], **state["settings"])

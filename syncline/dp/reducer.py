@@ -118,9 +118,13 @@ class Reducer:
         """Carry on from a checkpoint taken after ``steps_synced`` synchronised backwards."""
         self.st.steps_synced = steps_synced
 
-    def begin_forward(self, *, sync: bool) -> None:
-        """A training forward starts; ``sync``: whether its backward reduces (not ``no_sync``)."""
+    def begin_forward(self, *, sync: bool, collective: Collective | None = None) -> None:
+        """A training forward starts; ``sync``: whether its backward reduces (not ``no_sync``);
+        ``collective``: what its buckets go through instead of the engine's, and whose world
+        size they are divided by (``join(divide_by_initial_world_size=False)``: the ranks
+        still training, :mod:`syncline.dp.join`)."""
         self.st.sync_this_backward = sync
+        self.launches.collective = self.collective if collective is None else collective
 
     def watch_outputs(self, out: Any) -> None:
         """Hook every tensor of a training forward's ``out`` that backward can pass through
@@ -281,7 +285,9 @@ class Reducer:
             if not st.any_ready:  # no parameter in this backward: nothing to reduce
                 return
             kept = self._flush_unready()
-            kept_sparse = self._reduce_sparse(self._sparse_pending)
+            step_comm = self.launches.collective  # the engine's, or join's (fewer ranks)
+            world = self.world_size if step_comm is self.collective else step_comm.world_size
+            kept_sparse = self._reduce_sparse(self._sparse_pending, world)
             exposed = Stopwatch(buf.device).start()
             pending = self.in_flight()
             for p in pending:
@@ -298,7 +304,7 @@ class Reducer:
             )
             plan, layouts = self.buf.plan, self.buf.layouts  # the first step's cut
             if st.steps_synced == 0 and self.config.rebuild_buckets:
-                self._rebuild_from_observed_order()
+                self.rebuild_from_observed_order()
             if self._first_local is not None:
                 self._absorb(self._first_local, plan, layouts)
                 self._first_local = None
@@ -368,11 +374,11 @@ class Reducer:
             self.launches.final(i)
         return kept
 
-    def _reduce_sparse(self, pending: list[Pending]) -> dict[int, torch.Tensor | None]:
+    def _reduce_sparse(self, pending: list[Pending], world: int) -> dict[int, torch.Tensor | None]:
         """Start the sum of every sparse gradient, after the buckets, in parameter order.
 
         As DDP: each sparse gradient is its own collective (gloo allgathers indices and
-        values), divided by the world size first; the result, still sparse, becomes
+        values), divided by ``world`` first; the result, still sparse, becomes
         ``param.grad``. A parameter this rank did not use sends an empty gradient. Each
         collective is appended to ``pending``.
 
@@ -398,8 +404,8 @@ class Reducer:
                     "with sparse=True but has a dense gradient; set the module's sparse flag "
                     "before wrapping"
                 )
-            if self.world_size > 1:
-                g.div_(self.world_size)
+            if world > 1:
+                g.div_(world)
             p.grad = g
             what = f"sparse gradient {self.sparse_names[j]!r} at step {st.steps_synced}"
             pending.append(
@@ -457,7 +463,7 @@ class Reducer:
         nonzero = host_list(flags, meta=[False] * len(stand_ins))
         return {i for i, sent in zip(stand_ins, nonzero, strict=True) if sent}
 
-    def _rebuild_from_observed_order(self) -> None:
+    def rebuild_from_observed_order(self) -> None:
         """Re-lay the buffer in the order the first step's gradients became ready (rank 0's).
 
         Once, at the end of the first synchronised backward: the order is broadcast on the
@@ -485,7 +491,7 @@ class Reducer:
         launches.clear()
         self.st.sparse_ready = [True] * len(self.sparse_params)
         try:
-            self._reduce_sparse(pending)
+            self._reduce_sparse(pending, self.world_size)
         finally:
             self.st.sparse_ready = [False] * len(self.sparse_params)
         watch = Stopwatch(buf.device).start()

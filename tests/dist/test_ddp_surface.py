@@ -22,7 +22,10 @@ IMPLEMENTED = {
     "process_group",
     "require_backward_grad_sync",
     "require_forward_param_sync",
-    "join",  # refuses when called, naming the alternative (uneven inputs)
+    "join",  # uneven inputs, as DDP (tests/dist/test_ddp_join.py)
+    "join_hook",  # torch's Joinable protocol, as DDP's
+    "join_device",
+    "join_process_group",
     "register_comm_hook",  # refuses when called: compression= instead
 }
 
@@ -45,13 +48,17 @@ def _surface_rank(rank: int, world: int) -> dict[str, list[str]]:
                 refused.append(name)
                 continue
         silent.append(name)
-    return {"implemented": implemented, "refused": refused, "silent": silent}
+    from torch.distributed.algorithms.join import Joinable
+
+    joinable = isinstance(dp, Joinable) and dp.join_process_group is dist.group.WORLD
+    return {"implemented": implemented, "refused": refused, "silent": silent, "joinable": joinable}
 
 
 def test_every_ddp_name_is_implemented_or_refused_never_ignored() -> None:
     names = ddp_attribute_names()
     assert {"static_graph", "gradient_as_bucket_view", "require_backward_grad_sync"} <= names
     got = run_ranks(_surface_rank, 1)[0]
+    assert got["joinable"]
     assert got["silent"] == []
     assert set(got["implemented"]) >= IMPLEMENTED
     assert "static_graph" in got["refused"] and "_set_static_graph" in got["refused"]

@@ -38,7 +38,7 @@ NO_DEVICE_OK: dict[tuple[str, str, str], str] = {}
 STEADY_STATE: dict[str, tuple[str, ...]] = {
     # data parallelism: the reducer's hooks and launch path, the buffer, the forward. Not
     # listed, as they read on the host by design, never in a steady step of a default run:
-    # Reducer._rebuild_from_observed_order (the first step only), BucketTuning (the tuning
+    # Reducer.rebuild_from_observed_order (the first step only), BucketTuning (the tuning
     # steps only), Reducer._restore_globally_unused / _sent_by_error_feedback
     # (find_unused_parameters: which gradients become None is a host decision).
     "dp/reducer.py": (
