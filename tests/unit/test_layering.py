@@ -64,8 +64,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("syncline.schedule", "syncline.partition"),
     ("syncline.comm", "syncline.launch"),
     ("syncline.models", "syncline.data", "syncline.optim"),
-    # syncline.hooks: the compressors as DDP communication hooks (beside the engine)
-    ("syncline.dp", "syncline.compression", "syncline.hooks"),
+    # syncline.hooks: the compressors as DDP communication hooks (beside the engine);
+    # syncline.lightning: a Lightning strategy over the engine (imports Lightning itself)
+    ("syncline.dp", "syncline.compression", "syncline.hooks", "syncline.lightning"),
     ("syncline.pipeline",),
     ("syncline.planner",),
     ("syncline.train",),
