@@ -49,8 +49,26 @@ def _write_status(path: str, text: str) -> None:
 
 
 #: Modules the forkserver imports once, so that every rank forked from it starts with them.
-# torch._dynamo: the fake-backend tests reach it, and importing it per rank costs ~3 s
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "syncline.comm"]
+# torch._dynamo: the fake-backend tests reach it, and importing it per rank costs ~3 s. The
+# trainer's modules (a rank of ``syncline train`` in-process, or of ``plan --profile``), the
+# tracer that splits a model at split points (torch.export pulls in sympy and networkx) and
+# pyplot (rank 0 draws loss.png and schedule.png) cost a run ~2-3 s of imports per rank
+# otherwise: more than its steps. Where no bytecode is cached (PYTHONDONTWRITEBYTECODE, a
+# fresh checkout) each rank would also compile syncline's sources again.
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "syncline.comm",
+    "syncline.train.worker",
+    "syncline.train.pipeline_trainer",
+    "syncline.train.trainer",
+    "syncline.train.plan_profile",
+    "torch.distributed.pipelining",
+    "torch.export._trace",
+    "matplotlib.pyplot",
+    "matplotlib.backends.backend_agg",
+]
 
 
 def _context(method: str | None) -> Any:
