@@ -54,7 +54,9 @@ def _write_status(path: str, text: str) -> None:
 # tracer that splits a model at split points (torch.export pulls in sympy and networkx) and
 # pyplot (rank 0 draws loss.png and schedule.png) cost a run ~2-3 s of imports per rank
 # otherwise: more than its steps. Where no bytecode is cached (PYTHONDONTWRITEBYTECODE, a
-# fresh checkout) each rank would also compile syncline's sources again.
+# fresh checkout) each rank would also compile syncline's sources again. HuggingFace's GPT-2
+# and ResNet (~1.5 s a rank) are the traced pipelines' test models; an import that fails
+# (transformers is a test extra) is skipped by the server.
 _PRELOAD = [
     "torch",
     "torch.distributed",
@@ -68,6 +70,8 @@ _PRELOAD = [
     "torch.export._trace",
     "matplotlib.pyplot",
     "matplotlib.backends.backend_agg",
+    "transformers.models.gpt2.modeling_gpt2",
+    "transformers.models.resnet.modeling_resnet",
 ]
 
 
