@@ -25,7 +25,7 @@ import shutil
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from syncline.errors import ConfigError
@@ -49,30 +49,23 @@ def _write_status(path: str, text: str) -> None:
 
 
 #: Modules the forkserver imports once, so that every rank forked from it starts with them.
-# torch._dynamo: the fake-backend tests reach it, and importing it per rank costs ~3 s. The
-# trainer's modules (a rank of ``syncline train`` in-process, or of ``plan --profile``), the
-# tracer that splits a model at split points (torch.export pulls in sympy and networkx) and
-# pyplot (rank 0 draws loss.png and schedule.png) cost a run ~2-3 s of imports per rank
-# otherwise: more than its steps. Where no bytecode is cached (PYTHONDONTWRITEBYTECODE, a
-# fresh checkout) each rank would also compile syncline's sources again. HuggingFace's GPT-2
-# and ResNet (~1.5 s a rank) are the traced pipelines' test models; an import that fails
-# (transformers is a test extra) is skipped by the server.
-_PRELOAD = [
-    "torch",
-    "torch.distributed",
-    "torch._dynamo",
-    "syncline.comm",
-    "syncline.train.worker",
-    "syncline.train.pipeline_trainer",
-    "syncline.train.trainer",
-    "syncline.train.plan_profile",
-    "torch.distributed.pipelining",
-    "torch.export._trace",
-    "matplotlib.pyplot",
-    "matplotlib.backends.backend_agg",
-    "transformers.models.gpt2.modeling_gpt2",
-    "transformers.models.resnet.modeling_resnet",
-]
+# torch._dynamo: the fake-backend tests reach it, and importing it per rank costs ~3 s
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "syncline.comm"]
+
+
+def preload(modules: Iterable[str]) -> None:
+    """Have the fork server also import ``modules`` when it starts, once for all its ranks.
+
+    For a session whose ranks import them anyway (the test suite's: the trainer, pyplot,
+    the models it traces), where each rank would otherwise pay their import, seconds, and,
+    with no bytecode cached (``PYTHONDONTWRITEBYTECODE``, a fresh checkout), compile them
+    again. A short script would pay for what it does not use, hence not by default. No
+    effect on a server already started; a module that fails to import is skipped.
+
+    Example:
+        >>> preload(["syncline.train.worker"])  # doctest: +SKIP
+    """
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
 
 
 def _context(method: str | None) -> Any:
