@@ -1,4 +1,5 @@
-"""Shared setup of every test: the global random generators start from the same seed.
+"""Shared setup of every test: the global random generators start from the same seed, and
+the ranks' fork server preloads what the suite's ranks import.
 
 As torchgpipe's conftest: a test that draws from torch's (or ``random``'s) global generator
 without seeding it gets the same numbers whatever ran before it. A test that seeds on its own
@@ -12,6 +13,31 @@ import random
 
 import pytest
 import torch
+
+from syncline.testing.harness import preload
+
+#: What the suite's ranks import anyway, imported once by the fork server instead of by each
+#: rank (~2-3 s a rank of ``syncline train`` in-process, more than its steps): the trainer
+#: (a rank of ``train`` or of ``plan --profile``), the tracer that splits a model at split
+#: points (torch.export pulls in sympy and networkx), pyplot (rank 0 draws loss.png and
+#: schedule.png), and HuggingFace's GPT-2 and ResNet (the traced pipelines' test models).
+RANK_MODULES = [
+    "syncline.train.worker",
+    "syncline.train.pipeline_trainer",
+    "syncline.train.trainer",
+    "syncline.train.plan_profile",
+    "torch.distributed.pipelining",
+    "torch.export._trace",
+    "matplotlib.pyplot",
+    "matplotlib.backends.backend_agg",
+    "transformers.models.gpt2.modeling_gpt2",
+    "transformers.models.resnet.modeling_resnet",
+]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    del config
+    preload(RANK_MODULES)
 
 
 @pytest.fixture(autouse=True)

@@ -492,7 +492,6 @@ def force_backend_name(name: str) -> Iterator[None]:
 #: case needs (meta kernels written in Python and the dispatch mode pull in torch._dynamo:
 #: ~3 s a process otherwise)
 _PRELOAD_FAKE = [
-    *_PRELOAD,
     "torch._dynamo",
     "torch.testing._internal.distributed.fake_pg",
     "syncline.dp.engine",
@@ -541,7 +540,7 @@ def run_fake_rank(
     """
     ctx = _context(None)
     if ctx.get_start_method() == "forkserver":  # effective only before the server starts
-        ctx.set_forkserver_preload(_PRELOAD_FAKE)
+        ctx.set_forkserver_preload([*_PRELOAD, *_PRELOAD_FAKE])
     workdir = tempfile.mkdtemp(prefix="syncline-fake-")
     proc = ctx.Process(
         target=_fake_worker,

@@ -25,7 +25,7 @@ import shutil
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from syncline.errors import ConfigError
@@ -52,6 +52,21 @@ def _write_status(path: str, text: str) -> None:
 #: Modules the forkserver imports once, so that every rank forked from it starts with them.
 # torch._dynamo: the fake-backend tests reach it, and importing it per rank costs ~3 s
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "syncline.comm"]
+
+
+def preload(modules: Iterable[str]) -> None:
+    """Have the fork server also import ``modules`` when it starts, once for all its ranks.
+
+    For a session whose ranks import them anyway (the test suite's: the trainer, pyplot,
+    the models it traces), where each rank would otherwise pay their import, seconds, and,
+    with no bytecode cached (``PYTHONDONTWRITEBYTECODE``, a fresh checkout), compile them
+    again. A short script would pay for what it does not use, hence not by default. No
+    effect on a server already started; a module that fails to import is skipped.
+
+    Example:
+        >>> preload(["syncline.train.worker"])  # doctest: +SKIP
+    """
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
 
 
 def _context(method: str | None) -> Any:

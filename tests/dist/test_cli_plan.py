@@ -1,13 +1,15 @@
 """`syncline plan` end to end: profile this machine on real gloo ranks, rank, run the pick.
 
-The profile is measured once per module (about ten seconds) and reused: the tests check
+The profile is measured once per module and reused: the tests check
 what only a working profiler and planner produce (a cluster whose links and base memory
 were measured, a model whose per-layer costs are positive), that every candidate's
 ``train_args`` is accepted by ``syncline train`` and that ``--plan auto`` trains the top
 candidate and records the prediction next to the measurement.
 
-The profile's ranks and ``--plan auto``'s training are launched by torchrun (the command has
-no in-process path for them), so those tests are ``slow``; bad input goes through ``main``.
+The commands run through ``main`` in this process, with torchrun's part played in-process
+(:func:`tests.zoo.train.launched`): the profile's ranks and ``--plan auto``'s training are the
+workers' own ``main`` on ranks forked with torchrun's environment (the launcher is tested
+elsewhere), about a second each. Bad input goes through ``main`` alone.
 """
 
 from __future__ import annotations
@@ -19,8 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.zoo.cli import syncline
-from tests.zoo.train import cli
+from tests.zoo.train import cli, launched
 
 TINY = ["--n-layer", "2", "--n-embd", "32", "--seq-len", "16", "--batch-size", "16"]
 
@@ -28,13 +29,12 @@ TINY = ["--n-layer", "2", "--n-embd", "32", "--seq-len", "16", "--batch-size", "
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     out = tmp_path_factory.mktemp("plan") / "profile.json"
-    res = syncline("plan", *TINY, "--profile", f"--profile-out={out}", "--json", "--top=1000")
+    res = launched("plan", *TINY, "--profile", f"--profile-out={out}", "--json", "--top=1000")
     assert res.returncode == 0, res.stderr[-3000:]
     doc: dict[str, Any] = json.loads(res.stdout)
     return out, doc
 
 
-@pytest.mark.slow  # torchrun launches the profile's ranks
 def test_profile_measures_this_machine(profiled: tuple[Path, dict[str, Any]]) -> None:
     path, _ = profiled
     doc = json.loads(path.read_text())
@@ -55,7 +55,6 @@ def test_profile_measures_this_machine(profiled: tuple[Path, dict[str, Any]]) ->
     assert sum(layer["params"] for layer in model["layers"]) == 42368  # the model's numel
 
 
-@pytest.mark.slow  # torchrun launches the profile's ranks
 def test_candidates_are_ranked_and_runnable(profiled: tuple[Path, dict[str, Any]]) -> None:
     _, doc = profiled
     cands = doc["candidates"]
@@ -74,14 +73,13 @@ def test_candidates_are_ranked_and_runnable(profiled: tuple[Path, dict[str, Any]
         assert "--batch-size=16" in c["train_args"]
 
 
-@pytest.mark.slow  # torchrun launches the profile's ranks, then the training
 def test_plan_auto_trains_the_top_candidate(
     profiled: tuple[Path, dict[str, Any]], tmp_path: Path
 ) -> None:
     path, doc = profiled
     run = tmp_path / "run"
     args = ["train", "--plan", "auto", f"--plan-cluster={path}", *TINY]
-    res = syncline(*args, "--steps=4", "--warmup-steps=2", f"--run-dir={run}")
+    res = launched(*args, "--steps=4", "--warmup-steps=2", f"--run-dir={run}")
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     plan = summary["plan"]

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from syncline.errors import ConfigError
+from syncline.launch import torchrun
+from syncline.launch.torchrun import LaunchError, LaunchSpec
 from syncline.testing import RankFailure, run_ranks
+from syncline.testing.launcher import launch_in_process, torchrun_in_process
 
 
 def _facts(rank: int, world: int) -> dict[str, object]:
@@ -52,3 +58,49 @@ def test_an_unknown_start_method_is_refused(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("SYNCLINE_START_METHOD", "fork")
     with pytest.raises(ConfigError, match="start method 'fork'"):
         run_ranks(_facts, 2)
+
+
+# -- torchrun's part played in-process (syncline.testing.launcher) --------------------------
+
+
+def _spec(out: Path, fail_rank: int, max_restarts: int) -> LaunchSpec:
+    return LaunchSpec(
+        module="tests.zoo.launched_job",
+        args=(str(out), str(fail_rank)),
+        nproc_per_node=2,
+        threads_per_rank=2,
+        max_restarts=max_restarts,
+    )
+
+
+def test_an_in_process_launch_gives_workers_torchruns_environment_and_restarts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    launch_in_process(_spec(tmp_path, fail_rank=1, max_restarts=1))
+    assert not list(tmp_path.glob("attempt0.*.json"))  # rank 1 failed, rank 0 was stopped
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"attempt1.rank{rank}.json").read_text())
+        assert seen["sum"] == 3.0 and seen["world"] == 2 and seen["local_world"] == 2
+        assert seen["local_rank"] == rank and seen["threads"] == "2"
+        assert seen["cwd"] == seen["path0"] == str(tmp_path)  # as `python -m` from there
+    out, err = capsys.readouterr()
+    assert "rank 1 attempt 0 starts" in out and "rank 0 attempt 1 starts" in out
+    assert "rank 1 fails" in err
+
+
+def test_an_in_process_launch_names_the_rank_that_failed_first(tmp_path: Path) -> None:
+    with pytest.raises(LaunchError) as failed:
+        launch_in_process(_spec(tmp_path, fail_rank=1, max_restarts=0))
+    assert str(failed.value) == (
+        "rank 1 (exit code 3) failed first; then stopped: rank 0 (killed by signal 15)"
+    )
+    with pytest.raises(ConfigError, match="one node"):
+        launch_in_process(dataclasses.replace(_spec(tmp_path, 1, 0), nnodes=2))
+
+
+def test_torchrun_in_process_stands_in_for_launch_only_while_open() -> None:
+    real = torchrun.launch
+    with torchrun_in_process():
+        assert torchrun.launch is launch_in_process
+    assert torchrun.launch is real

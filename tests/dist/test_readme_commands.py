@@ -13,6 +13,13 @@ earlier block already ran (as run) is not run again, unless it expects an exit c
 or a later command of its block reads its run (the README's overview repeats commands that
 docs/ explain). A new command runs through the generic shrinking, so it fails this test until
 it works or is handled here.
+
+The commands run through ``syncline.cli.main.main`` in this process, with torchrun's part
+played in-process (:func:`tests.zoo.train.launched`: the workers' own ``main`` on ranks forked
+with torchrun's environment; the same exit codes and output), except those in
+``REAL_LAUNCH``: the README's main command, as a user types it, and those on an emulated
+network (torchrun is started in each network namespace), which run as ``syncline ...`` in a
+fresh interpreter through the real torchrun.
 """
 
 from __future__ import annotations
@@ -23,11 +30,13 @@ import re
 import shlex
 import shutil
 from pathlib import Path
+from subprocess import CompletedProcess
 
 import pytest
 
 from tests.unit.test_docs import PAGES, README, REPO, code_blocks
 from tests.zoo.cli import syncline
+from tests.zoo.train import Cli, launched
 
 pytestmark = pytest.mark.slow
 
@@ -67,6 +76,16 @@ NOT_RUN: dict[str, str] = {}
 README_BUGS: dict[str, str] = {}
 
 FACTORY_OPTIONS = ["--model-option", "n_layer=3", "--model-option", "n_embd=32"]
+
+#: documented commands run through the real torchrun: what a user types first
+REAL_LAUNCH = {"bash scripts/train.sh"}
+
+
+def through_torchrun(command: str, run: str) -> bool:
+    """Whether ``run`` (a run of the documented ``command``) goes through the real launcher:
+    the README's main command, and a run on an emulated network (its launcher starts
+    torchrun in each host's network namespace; it has no in-process stand-in)."""
+    return command in REAL_LAUNCH or "--emulate-network" in run
 
 
 #: a block of commands: where its fence is (``page:line``), and its (command, error) pairs
@@ -164,10 +183,14 @@ def shrink(command: str) -> list[str]:
     layer (kept when given, or when ``--balance`` fixes the layer count), width 32, 16 tokens;
     no sample, no evaluation. A ``--resume`` run keeps its run's config (only steps change).
     ``plan --cluster`` keeps its model (no allocation) on at most 8 ranks and 4 layers.
+    ``--emulate-network`` links run at 1gbit: ``plan --profile`` sends up to 16 MiB a probe
+    (~40 s at 100 Mbit/s), the same namespaces and code at any rate.
     """
     args = shlex.split(command.removeprefix("sudo "))[1:]
     sub, resume = args[0], "--resume" in args
     steps = _value(args, "--steps")
+    if "--emulate-network" in args:
+        _set(args, "--emulate-network", "1gbit")
     if sub == "report":
         return args
     if sub == "train":
@@ -227,6 +250,7 @@ def test_every_documented_command_is_handled() -> None:
     assert set(ADAPTED) <= set(FOUND), set(ADAPTED) - set(FOUND)
     assert set(NOT_RUN) <= set(FOUND), set(NOT_RUN) - set(FOUND)
     assert set(README_BUGS) <= set(FOUND), set(README_BUGS) - set(FOUND)
+    assert set(REAL_LAUNCH) <= set(FOUND), set(REAL_LAUNCH) - set(FOUND)
     assert "syncline report runs/dp runs/pp --out compare.png" in FOUND
     assert any(c.startswith("syncline plan --profile") for c in FOUND)
     ran = {r for _, block in BLOCKS for c, _ in block for r in runs_of(c)}
@@ -252,6 +276,14 @@ def test_parsing_and_repeats() -> None:
     assert not is_repeat("syncline train --resume runs/a", None, [], ran)
 
 
+def _syncline(command: str, run: str, args: list[str], cwd: Path) -> Cli | CompletedProcess[str]:
+    """``syncline ARGS`` for a run of ``command``: through the real torchrun in a fresh
+    interpreter, or in this process (:func:`through_torchrun`)."""
+    if through_torchrun(command, run):
+        return syncline(*args)
+    return launched(*args, cwd=cwd)
+
+
 @pytest.mark.parametrize(
     "block", [b for _, b in BLOCKS], ids=[f"{where}:{b[0][0][:40]}" for where, b in BLOCKS]
 )
@@ -265,7 +297,7 @@ def test_documented_block_runs(block: list[tuple[str, str | None]], tmp_path, mo
             continue
         for run in runs_of(command):
             if run in README_BUGS:  # refused as written: pin the refusal
-                res = syncline(*shrink(run))
+                res = _syncline(command, run, shrink(run), tmp_path)
                 assert res.returncode == 2, (run, res.stdout[-1500:], res.stderr[-2500:])
                 assert README_BUGS[run].removesuffix(", see issue 39") in res.stderr, res.stderr
                 continue
@@ -273,7 +305,7 @@ def test_documented_block_runs(block: list[tuple[str, str | None]], tmp_path, mo
                 skipped.append(run)
                 continue
             args = shlex.split(run)[1:] if error else shrink(run)
-            res = syncline(*args)
+            res = _syncline(command, run, args, tmp_path)
             detail = f"{run!r} ran as {args}:\n{res.stdout[-1500:]}\n{res.stderr[-2500:]}"
             if error:  # a documented refusal: exit 2 and its line
                 assert res.returncode == 2, detail

@@ -9,7 +9,9 @@ there, and relative data paths read from there). What the ranks print is capture
 files and handed back (a forked rank writes to the descriptors of the server it was forked
 from, which pytest's ``capfd`` does not see after the first test that started it).
 
-Bad input and ``--help`` go through :func:`cli` (``syncline.cli.main.main`` itself).
+Bad input and ``--help`` go through :func:`cli` (``syncline.cli.main.main`` itself); a whole
+command that launches workers (``train``, ``plan --profile``, ``train --plan auto``) through
+:func:`launched`: ``main`` itself, with torchrun played in-process.
 """
 
 from __future__ import annotations
@@ -28,11 +30,21 @@ from typing import Any
 from syncline.cli.main import build_parser, config_from_args, main
 from syncline.registry import import_plugins
 from syncline.testing import RankFailure, run_ranks
+from syncline.testing.launcher import torchrun_in_process
 from syncline.testing.training import _training_rank
 from syncline.train.config import TrainConfig
 from syncline.train.preflight import prepare_run_dir
 
-__all__ = ["Cli", "Trained", "cli", "config", "train", "train_failing", "train_restarted"]
+__all__ = [
+    "Cli",
+    "Trained",
+    "cli",
+    "config",
+    "launched",
+    "train",
+    "train_failing",
+    "train_restarted",
+]
 
 
 def _with_defaults(args: tuple[str, ...]) -> list[str]:
@@ -185,3 +197,15 @@ def cli(*args: str, cwd: Path | None = None) -> Cli:
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 1
     return Cli(code, out.getvalue(), err.getvalue())
+
+
+def launched(*args: str, cwd: Path | None = None) -> Cli:
+    """``syncline ARGS`` as :func:`cli` runs it, with torchrun's part played in-process
+    (:func:`syncline.testing.launcher.torchrun_in_process`): the whole command, its output
+    and exit code (1 for a failed job), and the workers' own ``main`` on ranks forked with
+    torchrun's environment. A ``train`` run skips the generated sample unless asked for, as
+    :func:`tests.zoo.cli.syncline` does."""
+    if args[:1] == ("train",):
+        args = tuple(_with_defaults(args))
+    with torchrun_in_process():
+        return cli(*args, cwd=cwd)
