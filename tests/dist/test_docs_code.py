@@ -6,11 +6,13 @@ runs as N processes with the environment torchrun gives its workers (``RANK``,
 thread each), so its ``dist.init_process_group("gloo")`` starts a real group. The processes
 are forked from the ``forkserver`` of :func:`syncline.testing.run_ranks`, which imported
 torch once (the harness's reason: seconds per process), and run the script as
-``__main__``. Any other block runs as ``python block.py`` in a fresh interpreter and
-directory (a block that only defines a factory is thereby executed, its imports checked; a
-block that starts ranks of its own with ``run_ranks`` needs a real ``__main__`` file). A
-block preceded by ``<!-- not run: reason -->`` is skipped with that reason. Every process
-must exit 0; on failure the test shows each one's output.
+``__main__``. A block with an ``if __name__ == "__main__":`` guard runs as ``python
+block.py`` in a fresh interpreter and directory (one that starts ranks of its own with
+``run_ranks`` needs a real ``__main__`` file, which its ranks' own server imports); any
+other block is a script run as ``__main__`` in one process forked the same way, from its
+own directory (a block that only defines a factory is thereby executed, its imports
+checked). A block preceded by ``<!-- not run: reason -->`` is skipped with that reason.
+Every process must exit 0; on failure the test shows each one's output.
 """
 
 from __future__ import annotations
@@ -63,8 +65,14 @@ def _run_script(script: Path, timeout: float = 300) -> list[tuple[int, str]]:
     return [(res.returncode, res.stdout)]
 
 
-def _rank_main(script: str, environ: dict[str, str], log: str) -> None:
-    """One torchrun worker: this rank's environment, output to ``log``, the script as main."""
+def has_main_guard(block: Block) -> bool:
+    """Whether the block runs code under ``if __name__ == "__main__":`` (as a file of its own)."""
+    return re.search(r"""^if __name__ == ["']__main__["']:""", block.code, re.M) is not None
+
+
+def _rank_main(script: str, environ: dict[str, str], log: str, threads: int | None) -> None:
+    """One process: its environment, output to ``log``, the script as main from its folder;
+    ``threads``: torchrun's ``OMP_NUM_THREADS`` for a worker (torch is imported already)."""
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -72,7 +80,8 @@ def _rank_main(script: str, environ: dict[str, str], log: str) -> None:
     os.environ.update(environ)
     import torch
 
-    torch.set_num_threads(1)  # torchrun's OMP_NUM_THREADS=1 (torch is imported already)
+    if threads is not None:
+        torch.set_num_threads(threads)
     folder = os.path.dirname(script)
     os.chdir(folder)
     sys.path.insert(0, folder)
@@ -80,13 +89,18 @@ def _rank_main(script: str, environ: dict[str, str], log: str) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
+def _run_forked(script: Path, timeout: float = 300) -> list[tuple[int, str]]:
+    """``python block.py`` in the block's directory, forked with torch imported:
+    [(exit code, output)]."""
+    environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent), str(REPO)])}
+    return _run_processes(script, [environ], None, timeout)
+
+
 def _run_ranks(script: Path, ranks: int, timeout: float = 300) -> list[tuple[int, str]]:
     """The script as ``torchrun --nproc-per-node ranks`` runs it: [(exit code, output)]."""
     port = str(_free_port())
-    ctx = _context(None)
-    procs, logs = [], []
-    for r in range(ranks):
-        environ = {
+    environs = [
+        {
             **os.environ,
             "RANK": str(r),
             "LOCAL_RANK": str(r),
@@ -98,8 +112,21 @@ def _run_ranks(script: Path, ranks: int, timeout: float = 300) -> list[tuple[int
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
         }
+        for r in range(ranks)
+    ]
+    return _run_processes(script, environs, 1, timeout)
+
+
+def _run_processes(
+    script: Path, environs: list[dict[str, str]], threads: int | None, timeout: float
+) -> list[tuple[int, str]]:
+    """The script as main in one forked process per environment: [(exit code, output)]."""
+    ctx = _context(None)
+    procs, logs = [], []
+    for r, environ in enumerate(environs):
         logs.append(script.parent / f"rank{r}.log")
-        procs.append(ctx.Process(target=_rank_main, args=(str(script), environ, str(logs[-1]))))
+        args = (str(script), environ, str(logs[-1]), threads)
+        procs.append(ctx.Process(target=_rank_main, args=args))
         procs[-1].start()
     deadline = time.monotonic() + timeout
     try:  # a rank that fails leaves its peers waiting on it: they get 10 s, then are stopped
@@ -125,6 +152,9 @@ def test_blocks_found() -> None:
     assert sum(ranks_of(b) is not None for b in BLOCKS) >= 8, [b.where for b in BLOCKS]
     assert ranks_of(Block(REPO, 1, "python", "# torchrun --nproc-per-node 4 x.py\n", None)) == 4
     assert ranks_of(Block(REPO, 1, "python", "import torch\n", None)) is None
+    guarded = [b.where for b in BLOCKS if ranks_of(b) is None and has_main_guard(b)]
+    assert "docs/testing.md:35" in guarded, guarded  # starts ranks: a real __main__ file
+    assert not has_main_guard(Block(REPO, 1, "python", "x = '__main__'\n", None))
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.where for b in BLOCKS])
@@ -135,7 +165,7 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
     script.write_text(block.code)
     ranks = ranks_of(block)
     if ranks is None:
-        results = _run_script(script)
+        results = _run_script(script) if has_main_guard(block) else _run_forked(script)
     else:
         results = _run_ranks(script, ranks)
         if any("already in use" in out for _, out in results):

@@ -17,10 +17,13 @@ pass, or any failure once training started, fails the cell.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -73,33 +76,64 @@ def _spec(name: str) -> str:
     return EXAMPLES.get(name, entry.name if entry.argument is None else f"{name}:0.05")
 
 
-def command(cell: Cell, run_dir: Path | str) -> list[str]:
-    """The ``syncline train`` arguments of a cell's first launch."""
-    args = ["train", *BASE, *PLUGIN, "--run-dir", str(run_dir), "--optimizer", cell["optimizer"]]
-    args += ["--nproc-per-node", cell["ranks"], "--precision", cell["precision"]]
-    args += ["--compression", _spec(cell["compression"]), "--allreduce", cell["allreduce"]]
+def _parts(cell: Cell, run_dir: Path | str) -> list[tuple[str, ...]]:
+    """The arguments of a cell's first launch in groups, each set by the base or by one or two
+    dimensions (the generator parses each group once: thousands of candidates share them)."""
     layout = cell["layout"]
     if layout == "dp":
-        args += GPT
+        shape = tuple(GPT)
     elif layout == "split":
-        args += [*SPLIT, "--pipeline-stages", "2"]
+        shape = (*SPLIT, "--pipeline-stages", "2")
     else:
-        args += [*GPT, "--pipeline-stages", "2", "--schedule", layout]
+        shape = (*GPT, "--pipeline-stages", "2", "--schedule", layout)
+    parts = [
+        (*BASE, *PLUGIN, "--run-dir", str(run_dir)),
+        ("--optimizer", cell["optimizer"]),
+        ("--nproc-per-node", cell["ranks"]),
+        ("--precision", cell["precision"]),
+        ("--compression", _spec(cell["compression"])),
+        ("--allreduce", cell["allreduce"]),
+        shape,
+    ]
     if cell["allreduce"] != "flat":  # two nodes
-        args += ["--ranks-per-node", str(int(cell["ranks"]) // 2)]
+        parts.append(("--ranks-per-node", str(int(cell["ranks"]) // 2)))
     if cell["continuation"] == "restart":
-        args += ["--max-restarts", "1"]
+        parts.append(("--max-restarts", "1"))
     validate = cell["validation"] == "on"
-    args += ["--eval-every", "2" if validate else "0", "--sample-tokens", "4" if validate else "0"]
-    return args
+    parts.append(
+        ("--eval-every", "2" if validate else "0", "--sample-tokens", "4" if validate else "0")
+    )
+    return parts
+
+
+def command(cell: Cell, run_dir: Path | str) -> list[str]:
+    """The ``syncline train`` arguments of a cell's first launch."""
+    return ["train", *itertools.chain.from_iterable(_parts(cell, run_dir))]
 
 
 PARSER = build_parser()
 
 
+@functools.cache
+def _values_of(part: tuple[str, ...]) -> dict[str, Any]:
+    return values_from(PARSER.parse_args(["train", *part]))
+
+
+def _values(cell: Cell) -> dict[str, Any]:
+    """``values_from`` of the cell's parsed command line: the union of its groups' (no option
+    is in two groups; ``--model-option`` values are merged as the parser appends them)."""
+    values: dict[str, Any] = {}
+    for part in _parts(cell, "run"):
+        for key, value in _values_of(part).items():
+            if isinstance(value, dict):
+                value = {**values.get(key, {}), **value}
+            values[key] = value
+    return values
+
+
 def _valid(cell: Cell) -> bool:
     """The config's own checks of both launches (cheap: no files read), for the generator."""
-    values = values_from(PARSER.parse_args(command(cell, "run")))
+    values = _values(cell)
     try:
         TrainConfig.from_flat(**values)
         if cell["continuation"] == "resume":

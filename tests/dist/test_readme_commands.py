@@ -16,10 +16,10 @@ it works or is handled here.
 
 The commands run through ``syncline.cli.main.main`` in this process, with torchrun's part
 played in-process (:func:`tests.zoo.train.launched`: the workers' own ``main`` on ranks forked
-with torchrun's environment; the same exit codes and output), except those in
-``REAL_LAUNCH``: the README's main command, as a user types it, and those on an emulated
-network (torchrun is started in each network namespace), which run as ``syncline ...`` in a
-fresh interpreter through the real torchrun.
+with torchrun's environment; the same exit codes and output), except the README's main
+command (``REAL_LAUNCH``), as a user types it, and those on an emulated network (torchrun is
+started in each network namespace): they run as ``syncline ...`` in a fresh interpreter
+through the real torchrun.
 """
 
 from __future__ import annotations
@@ -274,6 +274,12 @@ def test_parsing_and_repeats() -> None:
     assert not is_repeat("syncline train", "syncline train: error: x", [], ran)
     assert not is_repeat("syncline train --run-dir runs/x", None, ["syncline report runs/x"], ran)
     assert not is_repeat("syncline train --resume runs/a", None, [], ran)
+    emulated = shrink("sudo syncline plan --profile --emulate-network 100mbit")
+    assert emulated[:4] == ["plan", "--profile", "--emulate-network", "1gbit"], emulated
+    assert through_torchrun("bash scripts/train.sh", "syncline train")
+    emulated_run = "sudo syncline train --emulate-network 100mbit"
+    assert through_torchrun(emulated_run, emulated_run)
+    assert not through_torchrun("syncline train", "syncline train")
 
 
 def _syncline(command: str, run: str, args: list[str], cwd: Path) -> Cli | CompletedProcess[str]:
