@@ -205,7 +205,7 @@ def test_cell_trains_and_resumes_bit_exact_or_is_refused_up_front(
     _continued_from_step_2(run, cont)
     if cell["continuation"] == "resume":
         resumed = config_from_args(build_parser().parse_args(["train", "--resume", str(cont)]))
-        assert resumed.run_dir == str(cont) and resumed.resume == str(cont)
+        assert resumed.run_dir == str(cont) and resumed.checkpoint.resume == str(cont)
         run_training(resumed)
     else:  # a restarted worker: the same config, its run directory as the failure left it
         run_training(dataclasses.replace(cfg, run_dir=str(cont)), attempt=1, prepare=False)
