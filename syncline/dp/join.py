@@ -215,7 +215,7 @@ def _shadow_backward(r: Reducer) -> None:
     """The collectives of one synchronised backward (:meth:`Reducer.finish_backward`), in
     its order, with nothing to contribute; the step count and tuning clock move on with it."""
     st, buf, step = r.st, r.buf, r.st.steps_synced
-    compressor = r.compressor if step > 0 else r.dense  # the first step runs lossless
+    compressor = r.compressor_at(step)
     pending = [
         compressor.reduce(
             BucketRef(k, step, buf.layouts[k]), torch.zeros_like(buf.bucket(k)), r.collective

@@ -194,10 +194,8 @@ class Reducer:
         st = self.st
         st.in_backward = True
         if not self.launches.started:  # (a reduction left open by an earlier backward goes on)
-            # the first synchronised step runs lossless: its buckets may still be re-laid
-            first = st.steps_synced == 0
-            self.launches.begin(st.steps_synced, self.dense if first else self.compressor)
-            self._first_local = {} if first and self._absorbs else None
+            self.launches.begin(st.steps_synced, self.compressor_at(st.steps_synced))
+            self._first_local = {} if st.steps_synced == 0 and self._absorbs else None
             needed = self._grad_scale != 1.0 or self._first_local is not None
             self.launches.prepare = self._prepare if needed else None
         # timed only while the bucket tuning measures (on CUDA: events, read at the end)
@@ -247,6 +245,11 @@ class Reducer:
             "too ('Expected to mark a variable ready only once'): use non-reentrant "
             "checkpointing (use_reentrant=False)"
         )
+
+    def compressor_at(self, step: int) -> Compressor:
+        """What reduces the buckets of synchronised step ``step``: the first runs lossless (its
+        buckets may still be re-laid, and a compressor keeps its state per bucket)."""
+        return self.compressor if step > 0 else self.dense
 
     def unscale_in_reduce(self, scale: float) -> None:
         """From the next bucket on, divide each bucket by ``scale`` before the compressor

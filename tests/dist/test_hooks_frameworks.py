@@ -9,7 +9,6 @@ launching processes of its own.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
@@ -21,37 +20,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from syncline.compression import CSC
 from syncline.hooks import HookState, hook
 from syncline.testing import run_ranks
+from tests.zoo import frameworks
 
 #: two buckets once DDP has re-cut them (see tests/dist/test_hooks.py)
 CAP_MB = 0.002
 STEPS = 10
-BATCH = 8
-
-
-def _torchrun_env(rank: int, world: int) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        NODE_RANK="0",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29500",  # unused: the group is up already
-        OMP_NUM_THREADS="1",
-    )
-
-
-def _net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
-    )
-
-
-def _data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's own samples: ``STEPS`` batches of a learnable target."""
-    x = torch.randn(STEPS * BATCH, 8, generator=torch.Generator().manual_seed(rank))
-    return x, x[:, :4] - x[:, 4:]
+BATCH = frameworks.BATCH
 
 
 def _state() -> HookState:
@@ -64,12 +38,12 @@ def _params(model: nn.Module) -> list[torch.Tensor]:
 
 def _plain_ddp(rank: int) -> dict[str, Any]:
     """The reference: DDP with the hook, in a loop of our own."""
-    model = _net()
+    model = frameworks.net()
     ddp = DDP(model, bucket_cap_mb=CAP_MB)
     state = _state()
     ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = _data(rank)
+    x, y = frameworks.data(rank, STEPS)
     before = _full_loss(model, x, y)
     losses = []
     for i in range(STEPS):
@@ -97,7 +71,7 @@ def _full_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def _lightning_rank(rank: int, world: int, root: str) -> dict[str, Any]:
-    _torchrun_env(rank, world)
+    frameworks.torchrun_env(rank, world)
     import lightning as L
     from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
     from lightning.pytorch.strategies import DDPStrategy
@@ -105,7 +79,7 @@ def _lightning_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     class Net(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = _net()
+            self.net = frameworks.net()
             self.losses: list[float] = []
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -141,7 +115,7 @@ def _lightning_rank(rank: int, world: int, root: str) -> dict[str, Any]:
             trainer.strategy.model.register_comm_hook(self.state, hook)
 
     def fit(strategy: DDPStrategy, state: HookState, callbacks: list[L.Callback]) -> dict:
-        x, y = _data(rank)
+        x, y = frameworks.data(rank, STEPS)
         data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
         trainer = L.Trainer(
             accelerator="cpu",
@@ -198,19 +172,19 @@ def test_lightning_trains_with_a_syncline_hook(tmp_path) -> None:
 
 
 def _accelerate_rank(rank: int, world: int) -> dict[str, Any]:
-    _torchrun_env(rank, world)
+    frameworks.torchrun_env(rank, world)
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
 
     accelerator = Accelerator(
         cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=CAP_MB)]
     )
-    model = _net()
+    model = frameworks.net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     prepared, opt = accelerator.prepare(model, opt)
     state = _state()
     prepared.register_comm_hook(state, hook)
-    x, y = _data(rank)
+    x, y = frameworks.data(rank, STEPS)
     losses = []
     for i in range(STEPS):
         loss = F.mse_loss(prepared(x[i * BATCH : (i + 1) * BATCH]), y[i * BATCH : (i + 1) * BATCH])

@@ -10,7 +10,6 @@ the loss falls while a fraction of the gradient is sent.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
@@ -21,35 +20,10 @@ from torch import nn
 from syncline.compression import FP16
 from syncline.dp import DataParallel
 from syncline.testing import run_ranks
+from tests.zoo import frameworks
 
 STEPS = 10
-BATCH = 8
-
-
-def _torchrun_env(rank: int, world: int) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        NODE_RANK="0",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29500",  # unused: the group is up already
-        OMP_NUM_THREADS="1",
-    )
-
-
-def _net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
-    )
-
-
-def _data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's own samples: ``2 * STEPS`` batches of a learnable target."""
-    x = torch.randn(2 * STEPS * BATCH, 8, generator=torch.Generator().manual_seed(rank))
-    return x, x[:, :4] - x[:, 4:]
+BATCH = frameworks.BATCH
 
 
 def _params(model: nn.Module) -> list[torch.Tensor]:
@@ -63,10 +37,10 @@ def _full_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 def _plain_fp16(rank: int) -> list[torch.Tensor]:
     """The reference for fp16: DataParallel in a loop of our own."""
-    net = _net()
+    net = frameworks.net()
     model = DataParallel(net, compression=FP16())
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    x, y = _data(rank)
+    x, y = frameworks.data(rank, 2 * STEPS)
     for i in range(STEPS):
         F.mse_loss(model(x[i * BATCH : (i + 1) * BATCH]), y[i * BATCH : (i + 1) * BATCH]).backward()
         opt.step()
@@ -75,7 +49,7 @@ def _plain_fp16(rank: int) -> list[torch.Tensor]:
 
 
 def _lightning_rank(rank: int, world: int, root: str) -> dict[str, Any]:
-    _torchrun_env(rank, world)
+    frameworks.torchrun_env(rank, world)
     import lightning as L
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -84,7 +58,7 @@ def _lightning_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     class Net(L.LightningModule):
         def __init__(self, manual: bool = False) -> None:
             super().__init__()
-            self.net = _net()
+            self.net = frameworks.net()
             self.losses: list[float] = []
             self.val_losses: list[float] = []
             self.automatic_optimization = not manual
@@ -127,7 +101,7 @@ def _lightning_rank(rank: int, world: int, root: str) -> dict[str, Any]:
                 )
 
     def fit(strategy: DDPStrategy, accumulate: int = 1, manual: bool = False) -> dict:
-        x, y = _data(rank)
+        x, y = frameworks.data(rank, 2 * STEPS)
         data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
         held = torch.utils.data.DataLoader(
             torch.utils.data.TensorDataset(x[:16] + 1, y[:16]), batch_size=BATCH
