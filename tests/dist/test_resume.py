@@ -35,6 +35,16 @@ def _final(run: Path) -> dict:
     return load_checkpoint(run / "checkpoint.pt")
 
 
+def profiled_balance(run: Path) -> str:
+    """The ``--balance`` a finished pipeline run was cut into (profiled, if not given).
+
+    The profile times each layer, so two runs of one command may cut a model differently on
+    a loaded machine: the same weights at the end, but other stages' optimizer states. A
+    reference compared stage by stage with a run is cut as the run was.
+    """
+    return ",".join(str(n) for n in _final(run)["balance"])
+
+
 def _assert_same_state(a: dict, b: dict) -> None:
     assert a["model"].keys() == b["model"].keys()
     for k in a["model"]:
@@ -243,14 +253,15 @@ def test_pipeline_elastic_restart_is_bit_exact(tmp_path, variant) -> None:
     checkpoint steps as the uninterrupted run is too) whose rank 1 dies
     at step 5 restarts, resumes from step 4's checkpoint cut into the same stages (the
     profiled split is saved with it) and ends with the uninterrupted run's weights and
-    every stage's optimizer state, bit for bit."""
+    every stage's optimizer state, bit for bit. The uninterrupted run is cut as the
+    restarted one was (:func:`profiled_balance`)."""
     flags = [*PIPE, *PIPELINES[variant]]
     ref, run = tmp_path / "ref", tmp_path / "run"
-    train(*flags, "--run-dir", str(ref))
     res = train_restarted(
         *flags, "--run-dir", str(run), "--inject-failure", "1:5", "--max-restarts", "1"
     )
     assert "resumed from" in res.stdout and "(step 4)" in res.stdout, res.stdout[-3000:]
+    train(*flags, "--balance", profiled_balance(run), "--run-dir", str(ref))
     a, b = _final(ref), _final(run)
     assert a["model"].keys() == b["model"].keys()
     for k in a["model"]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from syncline.train.checkpoint import load_checkpoint
-from tests.dist.test_resume import PIPE, TINY
+from tests.dist.test_resume import PIPE, TINY, profiled_balance
 from tests.zoo.exact import assert_exact
 from tests.zoo.train import train, train_restarted
 
@@ -52,10 +52,11 @@ def test_lamb_with_default_checkpointing_resumes_bit_exact(tmp_path) -> None:
 
 def test_lamb_in_a_1f1b_pipeline_resumes_bit_exact(tmp_path) -> None:
     """Two stages, each its own LAMB: the gathered final state of the restarted run equals
-    the uninterrupted run's, stage for stage, ``int`` steps included."""
+    the uninterrupted run's (cut as the restarted one was), stage for stage, ``int`` steps
+    included."""
     flags = [*PIPE, *LAMB, "--schedule", "1f1b", "--steps", "6"]
-    train(*flags, "--run-dir", str(tmp_path / "ref"))
     _restarted(tmp_path / "run", *flags)
+    train(*flags, "--balance", profiled_balance(tmp_path / "run"), "--run-dir", str(tmp_path / "ref"))
     ref, got = (load_checkpoint(tmp_path / run / "checkpoint.pt") for run in ("ref", "run"))
     _assert_same_run(ref, got, "optimizers")
     steps = {type(s["step"]) for o in ref["optimizers"].values() for s in o["state"].values()}
