@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -31,7 +32,7 @@ from syncline.train.snapshots import Snapshot, SnapshotStore
 from syncline.train.tensorboard_log import TensorBoardLog
 from syncline.train.validation import Validation
 
-__all__ = ["Outputs", "Runner", "common_summary", "train", "write_summary"]
+__all__ = ["Opening", "Outputs", "Runner", "common_summary", "train", "write_summary"]
 
 
 class Outputs:
@@ -46,6 +47,24 @@ class Outputs:
         self.board = (
             TensorBoardLog.open(run_dir, pipelined=pipelined) if first and cfg.tensorboard else None
         )
+
+
+@dataclass(frozen=True)
+class Opening:
+    """What a :class:`Runner` is opened with: one object, so that the two layouts' ``open``
+    take the same thing and a new input reaches both without a second signature."""
+
+    cfg: TrainConfig
+    rank: int
+    world: int
+    device: torch.device
+    store: SnapshotStore
+    #: the checkpoint to continue from, or ``None`` for a fresh run
+    snap: Snapshot | None
+    #: the gradients' allreduce (data parallelism), from the launcher-facing caller
+    allreduce: str | Collective = "flat"
+    #: the node size a hierarchical allreduce of a pipeline's replicas uses (default the world)
+    ranks_per_node: int | None = None
 
 
 class Runner(Protocol):
@@ -114,15 +133,16 @@ def train(
         device=device,
     )
     snap = store.latest() if cfg.checkpoint.resume is not None or attempt > 0 else None
+    at = Opening(cfg, rank, world, device, store, snap, allreduce, ranks_per_node)
     runner: Runner
     if cfg.pipeline.pipelined:
         from syncline.train.pipeline_trainer import PipelineRunner
 
-        runner = PipelineRunner.open(cfg, rank, world, device, store, snap, ranks_per_node)
+        runner = PipelineRunner.open(at)
     else:
         from syncline.train.trainer import DataParallelRunner
 
-        runner = DataParallelRunner.open(cfg, rank, world, device, store, snap, allreduce)
+        runner = DataParallelRunner.open(at)
     outputs = Outputs(cfg, rank, runner.start, pipelined=cfg.pipeline.pipelined)
     _steps(cfg, rank, runner, store, outputs, attempt)
     return runner.finish(outputs)

@@ -46,12 +46,11 @@ from syncline.train.common import (
     set_lr,
 )
 from syncline.train.config import TrainConfig
-from syncline.train.loop import Outputs, announce_resume, common_summary, write_summary
+from syncline.train.loop import Opening, Outputs, announce_resume, common_summary, write_summary
 from syncline.train.metrics import MetricsLog, memory_summary, plot_loss
 from syncline.train.plots import plot_schedule
 from syncline.train.progress import human_bytes
 from syncline.train.sample import Sample, sample_for
-from syncline.train.snapshots import Snapshot, SnapshotStore
 from syncline.train.state import (
     capture_pipeline,
     check_pipeline_optimizers,
@@ -169,19 +168,12 @@ class PipelineRunner:
         self.ends: dict[int, int] = {}
 
     @classmethod
-    def open(
-        cls,
-        cfg: TrainConfig,
-        rank: int,
-        world: int,
-        device: torch.device,
-        store: SnapshotStore,
-        snap: Snapshot | None,
-        ranks_per_node: int | None = None,
-    ) -> PipelineRunner:
+    def open(cls, at: Opening) -> PipelineRunner:
         """Build this rank's stages, cut as the checkpointed run was and continued from
-        ``snap`` when there is one. ``ranks_per_node``: the node size a hierarchical
-        allreduce of the replicas uses (the launcher's; default the world)."""
+        ``at.snap`` when there is one."""
+        cfg, rank, world, device, store, snap = (
+            at.cfg, at.rank, at.world, at.device, at.store, at.snap
+        )  # fmt: skip
         runner = cls(cfg, rank, world, device)
         group, data_parallel = pipeline_groups(cfg, world)
         meta = read_meta(store, snap) if snap is not None else {}
@@ -195,7 +187,7 @@ class PipelineRunner:
             balance = balance_costs([1.0] * cfg.model_layers, cfg.pipeline.virtual_stages)
         runner.pipe = pipe = build_pipeline(
             cfg, runner.model, device, group, data_parallel, balance=balance,
-            ranks_per_node=ranks_per_node,
+            ranks_per_node=at.ranks_per_node,
         )  # fmt: skip
         if snap is not None:
             if cfg.pipeline.split_points is not None:  # traced on the batch the run continues with

@@ -31,11 +31,10 @@ from syncline.train.common import (
     set_lr,
 )
 from syncline.train.config import TrainConfig
-from syncline.train.loop import Outputs, announce_resume, common_summary, write_summary
+from syncline.train.loop import Opening, Outputs, announce_resume, common_summary, write_summary
 from syncline.train.metrics import memory_summary, plot_loss
 from syncline.train.progress import human_bytes
 from syncline.train.sample import sample_for
-from syncline.train.snapshots import Snapshot, SnapshotStore
 from syncline.train.state import capture_dp, check_dp_optimizer, restore_dp
 from syncline.train.validation import Validation
 
@@ -79,18 +78,10 @@ class DataParallelRunner:
         self.start = 0
 
     @classmethod
-    def open(
-        cls,
-        cfg: TrainConfig,
-        rank: int,
-        world: int,
-        device: torch.device,
-        store: SnapshotStore,
-        snap: Snapshot | None,
-        allreduce: str | Collective = "flat",
-    ) -> DataParallelRunner:
-        """Build this rank's part, continued from ``snap`` when there is one."""
-        runner = cls(cfg, rank, world, device, allreduce)
+    def open(cls, at: Opening) -> DataParallelRunner:
+        """Build this rank's part, continued from ``at.snap`` when there is one."""
+        runner = cls(at.cfg, at.rank, at.world, at.device, at.allreduce)
+        store, snap, rank, world = at.store, at.snap, at.rank, at.world
         if snap is not None:
             runner.start, exact = restore_dp(
                 store, snap, runner.model, runner.opt, runner.dp, rank, world, runner.scaler
