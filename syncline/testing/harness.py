@@ -195,8 +195,18 @@ def _status(workdir: str, rank: int) -> str | None:
 
 
 def _first_failure(procs: list[Any], workdir: str) -> RankFailure:
-    """The rank that failed first: later failures are usually peers losing their connection."""
+    """The rank that failed first: later failures are usually peers losing their connection.
+
+    A rank that died without a word (killed, or crashed in C) is named before any rank that
+    raised: its peers' errors ("connection closed by peer") are what its death caused, and
+    they may be written before the dead process is seen to be gone.
+    """
     time.sleep(0.5)
+    for rank, p in enumerate(procs):
+        if _status(workdir, rank) is None and not p.is_alive():
+            p.join(timeout=1)
+            if _status(workdir, rank) is None:
+                return RankFailure(rank, f"process exited with code {p.exitcode}")
     failed = []
     for rank in range(len(procs)):
         path = os.path.join(workdir, f"rank{rank}.status")

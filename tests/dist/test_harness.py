@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,18 @@ def test_ranks_are_fresh_processes_with_the_callers_environment_now(
 def test_a_failing_rank_is_named() -> None:
     with pytest.raises(RankFailure, match="(?s)rank 1 failed.*rank one broke"):
         run_ranks(_fail_on_one, 2)
+
+
+def _killed_on_one(rank: int, world: int) -> None:
+    dist.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(torch.ones(1))  # the peers fail here: their connection to rank 1 is gone
+
+
+def test_a_killed_rank_is_named_not_the_peers_that_lost_it() -> None:
+    with pytest.raises(RankFailure, match=f"rank 1 failed.*code {-signal.SIGKILL}"):
+        run_ranks(_killed_on_one, 3, timeout_s=60)
 
 
 def test_an_unknown_start_method_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
