@@ -80,7 +80,8 @@ PROBE_REPS = 3
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "lowbw.json"
 
 
-def _settings(a: argparse.Namespace) -> dict[str, Any]:
+def settings(a: argparse.Namespace) -> dict[str, Any]:
+    """The run's settings from :func:`add_training_options`'s arguments."""
     if a.global_batch % WORLD:
         raise SystemExit(f"lowbw: --global-batch must be a multiple of {WORLD}")
     return {
@@ -211,12 +212,9 @@ def _loopback(a: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.lowbw", description=(__doc__ or "").splitlines()[0]
-    )
-    ap.add_argument("--rate", default="100mbit", help="per-host link rate (tc units)")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+def add_training_options(ap: argparse.ArgumentParser) -> None:
+    """The model, data, optimizer and compressor settings (:func:`settings` reads them): the
+    same for every benchmark that trains lowbw's engines."""
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--warmup-steps", type=int, default=15)
     ap.add_argument("--n-layer", type=int, default=4)
@@ -239,6 +237,15 @@ def _parser() -> argparse.ArgumentParser:
         help="loss smoothing window in steps; 0: 10%% of --steps, the final-loss window",
     )
     ap.add_argument("--corpus-bytes", type=int, default=4_000_000)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.lowbw", description=(__doc__ or "").splitlines()[0]
+    )
+    ap.add_argument("--rate", default="100mbit", help="per-host link rate (tc units)")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    add_training_options(ap)
     ap.add_argument(
         "--port",
         type=int,
@@ -272,7 +279,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
-    s = _settings(a)
+    s = settings(a)
     out = Path(a.out)
     if not a.loopback:
         e = _emulated(a, s)
