@@ -50,3 +50,20 @@ def with_grads(
             raise RuntimeError(f"{owner} does not take sparse gradients")
         groups.setdefault((p.device, p.dtype), []).append(p)
     return groups
+
+
+class ForeachOptimizer(torch.optim.Optimizer):
+    """An optimizer whose step runs per group of tensors on one device and dtype: the
+    subclass's ``_step_tensors(group, params)`` takes each such group (all with a gradient,
+    none sparse) and updates it with a few ``torch._foreach_*`` kernels."""
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = closure_loss(closure)
+        for group in self.param_groups:
+            for params in with_grads(type(self).__name__, group["params"]).values():
+                self._step_tensors(group, params)
+        return loss
+
+    def _step_tensors(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        raise NotImplementedError

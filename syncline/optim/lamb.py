@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from syncline.optim._common import check, closure_loss, trust_ratio, with_grads
+from syncline.optim._common import ForeachOptimizer, check, trust_ratio
 
 
-class Lamb(torch.optim.Optimizer):
+class Lamb(ForeachOptimizer):
     """Layer-wise Adaptive Moments for Batch training.
 
     For each parameter tensor ``w`` with gradient ``g`` at step ``t`` (You et al. 2019,
@@ -68,14 +68,6 @@ class Lamb(torch.optim.Optimizer):
             "adapt_1d": adapt_1d,
         }
         super().__init__(params, defaults)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = closure_loss(closure)
-        for group in self.param_groups:
-            for params in with_grads("Lamb", group["params"]).values():
-                self._step_tensors(group, params)
-        return loss
 
     def _step_tensors(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         """One step of ``params`` (one device and dtype, all with a gradient): a few

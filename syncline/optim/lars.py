@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from syncline.optim._common import check, closure_loss, trust_ratio, with_grads
+from syncline.optim._common import ForeachOptimizer, check, trust_ratio
 
 
-class Lars(torch.optim.Optimizer):
+class Lars(ForeachOptimizer):
     """Layer-wise Adaptive Rate Scaling.
 
     For each parameter tensor ``w`` with gradient ``g`` (You et al. 2017, Algorithm 1)::
@@ -68,14 +68,6 @@ class Lars(torch.optim.Optimizer):
             "adapt_1d": adapt_1d,
         }
         super().__init__(params, defaults)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = closure_loss(closure)
-        for group in self.param_groups:
-            for params in with_grads("Lars", group["params"]).values():
-                self._step_tensors(group, params)
-        return loss
 
     def _step_tensors(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         """One step of ``params`` (one device and dtype, all with a gradient): a few
