@@ -50,7 +50,7 @@ from syncline.dp.ddp_surface import (
     refusal,
     refuse_unsupported,
 )
-from syncline.dp.guard import StepGuard
+from syncline.dp.guard import StepGuard, check_guardable
 from syncline.dp.layout import GradBuffer, trainable_parameters
 from syncline.dp.placement import moved_to, placement
 from syncline.dp.reducer import Reducer
@@ -123,12 +123,8 @@ class DataParallel(nn.Module, comm_join.Joinable):
             result: only where the buffer is cut.
         tune_steps_per_trial, tune_rounds, tune_final_rounds, tune_keep_margin,
             tune_min_bucket_mb: see :class:`DataParallelConfig`.
-        guard: a :class:`~syncline.dp.guard.StepGuard`: each synchronised backward checks
-            the gradients (and the loss given to ``guard.watch_loss``) for NaN/Inf and loss
-            spikes on the device, and agrees on a verdict inside its own allreduce (two
-            extra elements in the last bucket); the optimizer skips on it with
-            :func:`syncline.optim.skip.step_unless`. Needs a compressor that reduces every
-            element (none, fp16, bf16), one gradient dtype and no sparse gradients.
+        guard: a :class:`~syncline.dp.guard.StepGuard`: NaN/Inf and loss spikes found on
+            the device and agreed inside the bucket allreduce (see that module).
 
     Raises:
         ConfigError: on invalid sizes, no trainable parameters, parameters (or broadcast
@@ -234,8 +230,8 @@ class DataParallel(nn.Module, comm_join.Joinable):
                 module, self._ignored, init_sync_buffers, process_group, timeout_s
             )
         names, params, sparse = trainable_parameters(module, self._ignored)
-        if guard is not None:
-            _check_guardable(self._compressor, params, sparse)
+        if guard is not None:  # before the buffer is laid out with the guard's tail
+            check_guardable(self._compressor, params, sparse)
 
         if init_sync:  # the same starting point on every rank (the one side effect we must have)
             comm.broadcast_tensors(
@@ -253,8 +249,6 @@ class DataParallel(nn.Module, comm_join.Joinable):
             tail=0 if guard is None else StepGuard.TAIL,
         )
         self.guard = guard
-        if guard is not None:
-            guard.attach(self._buf.device, names)
         self._buf.install(list(reversed(range(len(params)))))  # backward runs roughly in reverse
         comm_dev = comm_device(comm.backend_name(process_group), self._buf.device)
         self._tuning = BucketTuning(self.config, self._buf, self._comm, device=comm_dev)
@@ -546,24 +540,6 @@ class DataParallel(nn.Module, comm_join.Joinable):
     def __setstate__(self, state: dict[str, Any]) -> None:
         DataParallel.__init__(self, state["module"], **state["settings"])
         self.train(state["train"])
-
-
-def _check_guardable(compressor: Compressor, params: list[torch.Tensor], sparse: list[Any]) -> None:
-    """Refuse a guard where its verdict could not ride the allreduce (see
-    :mod:`syncline.dp.guard`)."""
-    if not compressor.stateless:
-        raise ConfigError(
-            f"DataParallel: guard= with compression {compressor.name!r} is not supported: the "
-            "guard's verdict rides the bucket allreduce, which this compressor sparsifies or "
-            "factorises, and its residual would have to be rolled back on a skipped step; "
-            "valid: compression none, fp16 or bf16"
-        )
-    dtypes = sorted({str(p.dtype) for p in params})
-    if len(dtypes) > 1 or sparse:
-        raise ConfigError(
-            f"DataParallel: guard= needs one gradient dtype and no sparse gradients; got "
-            f"dtypes {dtypes} and {len(sparse)} sparse parameter(s)"
-        )
 
 
 def _remove_handles(handles: list[Any]) -> None:

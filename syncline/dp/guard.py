@@ -29,11 +29,15 @@ pair. One gradient dtype, and no sparse gradients (their own collectives carry n
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from syncline.dp.compression import Compressor
 from syncline.dp.guard_config import GuardConfig
+from syncline.errors import ConfigError
 
-__all__ = ["VERDICT_FIELDS", "StepGuard"]
+__all__ = ["VERDICT_FIELDS", "StepGuard", "check_guardable"]
 
 #: the entries of :attr:`StepGuard.verdict`, in order
 VERDICT_FIELDS = (
@@ -174,3 +178,25 @@ class StepGuard:
         """The parameter at ``index`` (as :attr:`verdict`'s ``first_bad`` gives it), or
         ``None`` for the count (no parameter was non-finite)."""
         return self.names[index] if 0 <= index < len(self.names) else None
+
+
+def check_guardable(compressor: Compressor, params: list[torch.Tensor], sparse: list[Any]) -> None:
+    """Refuse a guard where its verdict could not ride the allreduce (the module says why).
+
+    Raises:
+        ConfigError: a compressor that keeps per-bucket state, several gradient dtypes, or
+            sparse gradients.
+    """
+    if not compressor.stateless:
+        raise ConfigError(
+            f"DataParallel: guard= with compression {compressor.name!r} is not supported: the "
+            "guard's verdict rides the bucket allreduce, which this compressor sparsifies or "
+            "factorises, and its residual would have to be rolled back on a skipped step; "
+            "valid: compression none, fp16 or bf16"
+        )
+    dtypes = sorted({str(p.dtype) for p in params})
+    if len(dtypes) > 1 or sparse:
+        raise ConfigError(
+            f"DataParallel: guard= needs one gradient dtype and no sparse gradients; got "
+            f"dtypes {dtypes} and {len(sparse)} sparse parameter(s)"
+        )

@@ -69,6 +69,8 @@ class Reducer:
         guard: StepGuard | None = None,
     ) -> None:
         self.guard = guard
+        if guard is not None:
+            guard.attach(buffer.device, names)
         self.names = names
         self.buf = buffer
         self.st = StepState(len(buffer.params), len(sparse))
