@@ -1,6 +1,11 @@
-"""The non-finite guard in ``syncline train`` (data parallelism, 2 gloo ranks, in-process).
+"""The non-finite guard on 2 gloo ranks: ``DataParallel`` with a ``StepGuard`` in a plain loop,
+and ``syncline train`` (in-process; slow).
 
-A NaN is put into rank 1's gradient of its first parameter at step ``K`` (the testing aid
+In the loop, rank 1's gradient (or its loss) goes bad at one step: both ranks agree on the
+event, rank 1 alone says it saw it, and the weights equal those of a twin model on the same
+ranks whose optimizer skipped that step, bit for bit.
+
+In ``syncline train``, a NaN is put into rank 1's gradient of its first parameter at step ``K`` (the testing aid
 ``--inject-nonfinite 1:K``, keyed to the batch), or its loss multiplied by 1000
 (``1:K:spike``), and each action is compared with a reference run, bit for bit:
 
@@ -18,6 +23,7 @@ Both runs use the guard's optimizer (fused AdamW), so they share every kernel.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -25,6 +31,13 @@ from typing import Any
 import pytest
 import torch
 
+from torch import nn
+from torch.nn import functional as F
+
+from syncline import DataParallel
+from syncline.dp.guard import VERDICT_FIELDS, StepGuard
+from syncline.dp.guard_config import GuardConfig
+from syncline.optim.skip import step_unless
 from syncline.testing import run_ranks
 from syncline.testing.training import _training_rank
 from syncline.train.checkpoint import load_checkpoint
@@ -37,6 +50,66 @@ TINY += ["--batch-size", "8", "--log-every", "1", "--warmup-steps", "2", "--eval
 TINY += ["--nproc-per-node", "2", "--steps", "8", "--checkpoint-every", "2"]
 K = 5  # the step (and batch) of the event
 SKIP = 2  # --skip-batches for rollback
+
+
+def _loop_rank(rank: int, world: int, kind: str, bad_step: int) -> list[dict[str, float]]:
+    """A plain loop with the guard; the twin (no guard) skips ``bad_step`` by itself."""
+    del world
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.Linear(64, 4))
+    twin = copy.deepcopy(net)
+    config = GuardConfig(on_nonfinite="skip", spike_factor=20.0, spike_window=3)
+    guard = StepGuard(config)
+    dp = DataParallel(net, guard=guard, bucket_cap_mb=0.01, first_bucket_cap_mb=0.01)
+    ref = DataParallel(twin, bucket_cap_mb=0.01, first_bucket_cap_mb=0.01)
+    opt = torch.optim.AdamW(dp.parameters(), lr=0.01, fused=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, fused=True)
+    assert len(dp.bucket_plan.buckets) > 1  # the tail rides the last of several
+    verdicts = []
+    for step in range(6):
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)
+        loss = F.mse_loss(dp(x), y)
+        hooks = []
+        if rank == 1 and step == bad_step:
+            if kind == "spike":
+                loss = loss * 1000.0
+            else:
+                first = next(iter(net.parameters()))
+                hooks.append(first.register_hook(lambda g: g * float("nan")))
+        guard.watch_loss(loss)
+        loss.backward()
+        for hook in hooks:
+            hook.remove()
+        step_unless(opt, guard.skip_flag)
+        opt.zero_grad()
+        verdicts.append(dict(zip(VERDICT_FIELDS, guard.verdict.tolist(), strict=True)))
+        F.mse_loss(ref(x), y).backward()
+        if step != bad_step:
+            ref_opt.step()
+        ref_opt.zero_grad()
+    for a, b in zip(net.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)
+    return verdicts
+
+
+@pytest.mark.parametrize("kind", ["nan", "spike"])
+def test_the_ranks_agree_inside_the_allreduce_and_skip_the_step(kind: str) -> None:
+    bad = 4
+    per_rank = run_ranks(_loop_rank, 2, kind, bad, timeout_s=120)
+    for rank, verdicts in enumerate(per_rank):
+        events = [step for step, v in enumerate(verdicts) if v["event"]]
+        assert events == [bad], (rank, verdicts)
+        seen = verdicts[bad]
+        if kind == "nan":
+            assert (seen["nonfinite"], seen["local"]) == (1, float(rank == 1))
+            assert seen["first_bad"] == (0 if rank == 1 else 6)  # 6 parameters: none
+        else:
+            assert (seen["spike"], seen["nonfinite"]) == (1, 0)
+            assert seen["loss"] > 20 * seen["median"]
+    agreed = ("event", "nonfinite", "spike", "loss", "median", "skip")
+    for mine, theirs in zip(*per_rank, strict=True):  # the same verdict on both ranks
+        assert repr([mine[k] for k in agreed]) == repr([theirs[k] for k in agreed])
 
 
 def _args(run: Path, action: str, *extra: str) -> list[str]:
@@ -84,6 +157,7 @@ def _events(run: Path) -> list[dict[str, Any]]:
     return [json.loads(x)["guard_event"] for x in lines if "guard_event" in x]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["nan", "spike"])
 def test_stop_ends_at_the_step_and_writes_no_later_checkpoint(tmp_path: Path, kind: str) -> None:
     run = tmp_path / "run"
@@ -108,6 +182,7 @@ def test_stop_ends_at_the_step_and_writes_no_later_checkpoint(tmp_path: Path, ki
     assert f"stop@{K}" in table, table
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["nan", "spike"])
 def test_skip_equals_a_run_that_never_took_the_step(tmp_path: Path, kind: str) -> None:
     extra = ["--spike-factor", "5", "--spike-window", "3"] if kind == "spike" else []
@@ -130,6 +205,7 @@ def test_skip_equals_a_run_that_never_took_the_step(tmp_path: Path, kind: str) -
     assert "1 skip" in comparison_table([load_run(run)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["nan", "spike"])
 def test_rollback_equals_a_run_whose_stream_lacks_the_skipped_batches(
     tmp_path: Path, kind: str
