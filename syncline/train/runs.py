@@ -92,8 +92,8 @@ def load_run(path: str | Path) -> Run:
     config = _read_json(run_dir / "config.json", hint)
     metrics = run_dir / "metrics.jsonl"
     try:
-        lines = metrics.read_text().splitlines()
-        lines = [json.loads(line) for line in lines if line.strip()]
+        text = metrics.read_text().splitlines()
+        lines: list[dict[str, Any]] = [json.loads(line) for line in text if line.strip()]
         records = [d for d in lines if "guard_event" not in d]  # the guard's events apart
     except FileNotFoundError:
         raise ConfigError(f"{run_dir}: no metrics.jsonl; {hint}") from None
