@@ -261,8 +261,8 @@ def _handle(
     """Act on an event the host just learned of; the step to go back to (``rollback``).
 
     ``skip``: its update was already dropped on the device; recorded, the loop goes on.
-    ``stop``: :class:`GuardStop` (every rank; the event is
-    agreed). ``rollback``: the newest checkpoint is restored and batches left out.
+    ``stop``: :class:`GuardStop` on every rank (the event is agreed). ``rollback``: the
+    newest checkpoint is restored and batches are left out of the data stream.
     """
     action, event_step = cfg.guard.on_nonfinite, int(verdict["step"])
     if action == "stop":
@@ -273,7 +273,11 @@ def _handle(
     else:
         guard.forget()
         rollback = runner.rollback  # type: ignore[attr-defined]
-        back_to, left_out = rollback(store, event_step, cfg.guard.skip_batches)
+        try:
+            back_to, left_out = rollback(store, event_step, cfg.guard.skip_batches)
+        except GuardStop:  # nothing to roll back to: the event ends the run
+            guard.event(verdict)
+            raise
         event = guard.event(verdict, rolled_back_to=back_to, skipped_batches=left_out)
         note = f" (back to step {back_to}, batches {left_out} left out)"
     if outputs.log is not None:

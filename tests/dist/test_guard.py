@@ -221,3 +221,14 @@ def test_rollback_equals_a_run_whose_stream_lacks_the_skipped_batches(
     assert event["step"] == K and event["action"] == "rollback"
     assert event["rolled_back_to"] == 4 and event["skipped_batches"] == lacking
     assert f"guard: {event['kind']} at step {K} -> rollback" in done.stdout
+
+
+@pytest.mark.slow
+def test_a_rollback_before_the_first_checkpoint_stops_naming_why(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    done = train(*_args(run, "rollback", "--inject-nonfinite", "0:1", "--checkpoint-every", "6"))
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stopped"].startswith("rollback at step 1: no checkpoint to roll back to")
+    assert summary["stopped"] in done.stdout
+    assert [e["step"] for e in summary["guard_events"]] == [1]
+    assert not (run / "checkpoints").exists() or not list((run / "checkpoints").iterdir())
