@@ -50,6 +50,7 @@ from syncline.dp.ddp_surface import (
     refusal,
     refuse_unsupported,
 )
+from syncline.dp.guard import StepGuard, check_guardable
 from syncline.dp.layout import GradBuffer, trainable_parameters
 from syncline.dp.placement import moved_to, placement
 from syncline.dp.reducer import Reducer
@@ -122,6 +123,8 @@ class DataParallel(nn.Module, comm_join.Joinable):
             result: only where the buffer is cut.
         tune_steps_per_trial, tune_rounds, tune_final_rounds, tune_keep_margin,
             tune_min_bucket_mb: see :class:`DataParallelConfig`.
+        guard: a :class:`~syncline.dp.guard.StepGuard`: NaN/Inf and loss spikes found on
+            the device and agreed inside the bucket allreduce (see that module).
 
     Raises:
         ConfigError: on invalid sizes, no trainable parameters, parameters (or broadcast
@@ -170,6 +173,7 @@ class DataParallel(nn.Module, comm_join.Joinable):
         tune_final_rounds: int = _D.tune_final_rounds,
         tune_keep_margin: float = _D.tune_keep_margin,
         tune_min_bucket_mb: float = _D.tune_min_bucket_mb,
+        guard: StepGuard | None = None,
     ) -> None:
         settings = {k: v for k, v in locals().items() if k not in ("self", "module", "__class__")}
         super().__init__()
@@ -226,6 +230,8 @@ class DataParallel(nn.Module, comm_join.Joinable):
                 module, self._ignored, init_sync_buffers, process_group, timeout_s
             )
         names, params, sparse = trainable_parameters(module, self._ignored)
+        if guard is not None:  # before the buffer is laid out with the guard's tail
+            check_guardable(self._compressor, params, sparse)
 
         if init_sync:  # the same starting point on every rank (the one side effect we must have)
             comm.broadcast_tensors(
@@ -240,7 +246,9 @@ class DataParallel(nn.Module, comm_join.Joinable):
             caps,
             keep_spent=not gradient_as_bucket_view,
             device=sparse[0][1].device if sparse else None,
+            tail=0 if guard is None else StepGuard.TAIL,
         )
+        self.guard = guard
         self._buf.install(list(reversed(range(len(params)))))  # backward runs roughly in reverse
         comm_dev = comm_device(comm.backend_name(process_group), self._buf.device)
         self._tuning = BucketTuning(self.config, self._buf, self._comm, device=comm_dev)
@@ -253,6 +261,7 @@ class DataParallel(nn.Module, comm_join.Joinable):
             group=process_group,
             tuning=self._tuning,
             sparse=sparse,
+            guard=guard,
         )
         self._superseded = False
         previous = _OWNER.get(module)

@@ -32,6 +32,8 @@ class GradBuffer:
             :attr:`spent` until the owner clears it (``gradient_as_bucket_view=False``).
         device: where the buffers live when there is no parameter to ask (a model whose
             every parameter has a sparse gradient).
+        tail: extra elements at the end of the last bucket, in no parameter (the
+            non-finite guard's flag and loss, :mod:`syncline.dp.guard`); one dtype only.
 
     Attributes:
         plan: the current layout and buckets (pure data).
@@ -53,8 +55,10 @@ class GradBuffer:
         *,
         keep_spent: bool,
         device: torch.device | None = None,
+        tail: int = 0,
     ) -> None:
         self.params = params
+        self.tail = tail
         self._device = params[0].device if params else (device or torch.device("cpu"))
         self.caps = caps
         self.keep_spent = keep_spent
@@ -63,6 +67,10 @@ class GradBuffer:
         dtypes = list(dict.fromkeys(p.dtype for p in params))
         self.kinds = [dtypes.index(p.dtype) for p in params]
         self.dtypes = dtypes
+        if tail and len(dtypes) != 1:
+            raise ConfigError(
+                f"a gradient buffer with a tail needs one gradient dtype; got {dtypes}"
+            )
         self.plan: BucketPlan
         self.flats: list[torch.Tensor] = []
         self.views: list[torch.Tensor] = []
@@ -85,7 +93,7 @@ class GradBuffer:
         device = self._device
         plan = self.plan_for(order, *self.caps)
         flats = [
-            torch.zeros(n, dtype=d, device=device)
+            torch.zeros(n + self.tail, dtype=d, device=device)
             for n, d in zip(plan.flat_numels, self.dtypes, strict=True)
         ]
         views = [
@@ -116,7 +124,12 @@ class GradBuffer:
     def bucket(self, k: int) -> torch.Tensor:
         """Bucket ``k``'s slice of its flat buffer."""
         b = self.plan.buckets[k]
-        return self.flats[b.flat][b.start : b.end]
+        tail = self.tail if k == len(self.plan.buckets) - 1 else 0
+        return self.flats[b.flat][b.start : b.end + tail]
+
+    def tail_view(self) -> torch.Tensor:
+        """The :attr:`tail` elements (the end of the last bucket)."""
+        return self.flats[0][self.flats[0].numel() - self.tail :]
 
     @property
     def device(self) -> torch.device:

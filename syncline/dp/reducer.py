@@ -27,6 +27,7 @@ from syncline.dp.autotune import BucketTuning
 from syncline.dp.buckets import BucketPlan
 from syncline.dp.compression import Compressor, Layout, NoCompression
 from syncline.dp.config import DataParallelConfig
+from syncline.dp.guard import StepGuard
 from syncline.dp.launches import BucketLaunches
 from syncline.dp.layout import GradBuffer
 from syncline.dp.precision import unscale_and_flag
@@ -50,6 +51,8 @@ class Reducer:
         tuning: the bucket tuning, told each synchronised backward's time while pending.
         sparse: the names and tensors of the parameters with sparse gradients (reduced
             one by one at the end of backward, outside the buffer).
+        guard: checks each bucket as it leaves and settles the step's verdict from the
+            buffer's tail once the reduction is done (:mod:`syncline.dp.guard`).
     """
 
     def __init__(
@@ -63,7 +66,11 @@ class Reducer:
         group: comm.Group,
         tuning: BucketTuning,
         sparse: list[tuple[str, torch.Tensor]] = [],  # noqa: B006 (never mutated)
+        guard: StepGuard | None = None,
     ) -> None:
+        self.guard = guard
+        if guard is not None:
+            guard.attach(buffer.device, names)
         self.names = names
         self.buf = buffer
         self.st = StepState(len(buffer.params), len(sparse))
@@ -197,6 +204,9 @@ class Reducer:
             self.launches.begin(st.steps_synced, self.compressor_at(st.steps_synced))
             self._first_local = {} if st.steps_synced == 0 and self._absorbs else None
             needed = self._grad_scale != 1.0 or self._first_local is not None
+            if self.guard is not None:
+                self.guard.begin()
+                needed = True
             self.launches.prepare = self._prepare if needed else None
         # timed only while the bucket tuning measures (on CUDA: events, read at the end)
         st.backward_watch = self._backward_watch.start() if self.tuning.pending else None
@@ -266,6 +276,10 @@ class Reducer:
             self.overflow = unscale_and_flag(bucket, self._grad_scale, self.overflow)
         if self._first_local is not None:
             self._first_local[k] = bucket.clone()
+        if self.guard is not None:  # checked before the allreduce overwrites it
+            self.guard.observe(self.buf.members[k][1], self.buf.plan.buckets[k].params)
+            if k == len(self.buf.plan.buckets) - 1:  # the last bucket carries the verdict
+                self.guard.fill_tail(self.buf.tail_view())
 
     def in_flight(self) -> list[Pending]:
         """The collectives of the current reduction: its buckets', then its sparse ones."""
@@ -296,6 +310,8 @@ class Reducer:
             for p in pending:
                 p.wait()
             exposed.stop()
+            if self.guard is not None:
+                self.guard.settle(self.buf.tail_view())
             if self.config.find_unused_parameters:
                 self._restore_globally_unused(kept, kept_sparse)
             st.last_stats = StepStats(

@@ -6,6 +6,7 @@ learning-rate schedule, and neither imports the other's engine.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import signal
@@ -139,6 +140,12 @@ def make_optimizer(
         momentum=momentum,
         weight_decay=cfg.optim.weight_decay,
     )
+    if cfg.guard.on and "fused" in opt.defaults and not opt.defaults["fused"]:
+        # the guard drops an update through the fused kernels' found_inf, with no copy
+        # (syncline.optim.skip); the same hyper-parameters otherwise
+        takes = inspect.signature(type(opt)).parameters
+        settings = {k: v for k, v in opt.defaults.items() if k in takes}
+        opt = type(opt)(params, **{**settings, "fused": True, "foreach": None})
     return opt
 
 

@@ -32,6 +32,7 @@ from syncline.comm.registry import ALLREDUCE
 from syncline.data.registry import check_fits, data_forms
 from syncline.dp.config import GROUP as _DP
 from syncline.dp.config import PRECISIONS, DataParallelSettings
+from syncline.dp.guard_config import GuardConfig
 from syncline.dp.registry import compressor_name, parse
 from syncline.errors import ConfigError
 from syncline.fields import (
@@ -187,6 +188,8 @@ class TrainConfig:
     with). Fires only in the first attempt, so a job restarted by ``max_restarts`` completes."""
     checkpoint: CheckpointConfig = part(CheckpointConfig)
     """Periodic checkpoints, resuming, restarts after a failure."""
+    guard: GuardConfig = part(GuardConfig)
+    """The guard against NaN/Inf and loss spikes, and what an event does."""
 
     def __post_init__(self) -> None:
         self._check_parts()
@@ -210,6 +213,7 @@ class TrainConfig:
                 f"{self.nproc_per_node}); use a multiple of {self.world_size}"
             )
         self._check_launch()
+        self._check_guard()
         if self.precision not in PRECISIONS:
             raise ConfigError(
                 f"precision={self.precision!r} is unknown; valid: {', '.join(PRECISIONS)}"
@@ -261,6 +265,43 @@ class TrainConfig:
         if per_node is not None and self.world_size % per_node:
             raise ConfigError(
                 f"ranks_per_node={per_node} must be positive and divide the {self.world_size} ranks"
+            )
+
+    def _check_guard(self) -> None:
+        """What the non-finite guard runs with (:mod:`syncline.dp.guard` says why)."""
+        g = self.guard
+        if not g.on:
+            return
+        what = f"on_nonfinite={g.on_nonfinite!r}"
+        if self.pipeline.pipelined:
+            raise ConfigError(
+                f"{what} is not supported with pipeline_stages={self.pipeline.pipeline_stages} "
+                "yet; valid: pipeline_stages=1 (data parallelism), or on_nonfinite=off"
+            )
+        if compressor_name(self.dp.compression) not in ("none", "fp16", "bf16"):
+            raise ConfigError(
+                f"{what} with compression={self.dp.compression!r} is not supported: the "
+                "guard's verdict rides the gradient allreduce, which this compressor "
+                "sparsifies or factorises; valid: compression none, fp16 or bf16"
+            )
+        if self.precision == "fp16":
+            raise ConfigError(
+                f"{what} with precision=fp16 is not supported: the loss scaler already "
+                "skips steps whose scaled gradient overflows; valid: precision fp32 or bf16"
+            )
+        if self.optim.optimizer == "lamb":
+            raise ConfigError(
+                f"{what} with optimizer='lamb' is not supported: LAMB keeps its step as a "
+                "Python int, which a step skipped on the device cannot restore; valid: "
+                "adamw, sgd or lars"
+            )
+        injected = g.injection()
+        if injected is not None and not (
+            injected[0] < self.world_size and injected[1] < self.steps
+        ):
+            raise ConfigError(
+                f"inject_nonfinite={g.inject_nonfinite!r}: rank must be in [0, "
+                f"{self.world_size}) and step in [0, steps={self.steps})"
             )
 
     def _check_pipeline(self) -> None:

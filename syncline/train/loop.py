@@ -25,6 +25,7 @@ from syncline.comm.device import Stopwatch
 from syncline.dp.precision import LossScaler, scaler_summary
 from syncline.train.common import arm_failure, fail_if_injected, lr_at
 from syncline.train.config import TrainConfig
+from syncline.train.guarding import GuardStop, GuardWatch
 from syncline.train.metrics import MetricsLog, summarize, timed_record
 from syncline.train.progress import Progress, human_bytes
 from syncline.train.sample import Sample, record_sample
@@ -144,8 +145,42 @@ def train(
 
         runner = DataParallelRunner.open(at)
     outputs = Outputs(cfg, rank, runner.start, pipelined=cfg.pipeline.pipelined)
-    _steps(cfg, rank, runner, store, outputs, attempt)
-    return runner.finish(outputs)
+    guard = GuardWatch(cfg.guard, getattr(runner, "guard", None), runner.device)
+    try:
+        _steps(cfg, rank, runner, store, outputs, attempt, guard)
+    except GuardStop as stop:
+        return _stopped(cfg, rank, outputs, guard, str(stop))
+    summary = runner.finish(outputs)
+    if guard.guard is not None and summary:  # rank 0: the events join summary.json
+        summary.update(guard.summary())
+        (Path(cfg.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print(_guard_line(guard), flush=True)
+    return summary
+
+
+def _guard_line(guard: GuardWatch) -> str:
+    events = guard.events
+    steps = ", ".join(str(e.step) for e in events) or "none"
+    return f"guard ({guard.config.on_nonfinite}): {len(events)} event(s) at step(s) {steps}"
+
+
+def _stopped(
+    cfg: TrainConfig, rank: int, outputs: Outputs, guard: GuardWatch, line: str
+) -> dict[str, Any]:
+    """``--on-nonfinite stop`` fired: rank 0 prints the one line and writes summary.json
+    (what was logged, the events, ``stopped``); no checkpoint is written."""
+    if rank != 0 or outputs.log is None:
+        return {}
+    if outputs.progress is not None:
+        outputs.progress.close()
+    print(line, flush=True)
+    for event in guard.events:
+        guard.write(outputs.log.path, event)
+    summary = {**summarize(outputs.log.records), **guard.summary(), "stopped": line}
+    (Path(cfg.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if outputs.board is not None:
+        outputs.board.close(summary, cfg.steps - 1)
+    return summary
 
 
 def _steps(
@@ -155,12 +190,14 @@ def _steps(
     store: SnapshotStore,
     outputs: Outputs,
     attempt: int,
+    guard: GuardWatch,
 ) -> None:
-    """The ``for step`` loop from ``runner.start`` to ``cfg.steps``."""
+    """The step loop from ``runner.start`` to ``cfg.steps`` (a rollback goes back)."""
     log, progress, board = outputs.log, outputs.progress, outputs.board
     t_start = time.perf_counter()  # wall clock: the elapsed time and the ETA
     watch = Stopwatch(runner.device)  # the step's time on its device
-    for step in range(runner.start, cfg.steps):
+    step = runner.start
+    while step < cfg.steps:
         fail_if_injected(cfg, rank, step, attempt)
         armed = arm_failure(
             cfg, rank, step, attempt, runner.model, per_layer=runner.per_layer_failures
@@ -206,6 +243,14 @@ def _steps(
                 if validated:
                     progress.validation(step, validated)
         done = step + 1
+        verdict = guard.after_step(step)  # the previous step's, read one step late
+        if verdict is None and (cfg.checkpoint_due(done) or done == cfg.steps):
+            verdict = guard.settle_now()  # this step's: nothing is saved past an event
+        if verdict is not None:
+            back_to = _handle(cfg, rank, runner, store, outputs, guard, verdict)
+            if back_to is not None:
+                step = back_to
+                continue
         if cfg.checkpoint_due(done):
             t_save = time.perf_counter()
             path = store.save(
@@ -221,6 +266,45 @@ def _steps(
                     f"checkpoint of step {done}: {human_bytes(size)} in "
                     f"{time.perf_counter() - t_save:.2f}s -> {path}"
                 )
+        step = done
+
+
+def _handle(
+    cfg: TrainConfig,
+    rank: int,
+    runner: Runner,
+    store: SnapshotStore,
+    outputs: Outputs,
+    guard: GuardWatch,
+    verdict: dict[str, float],
+) -> int | None:
+    """Act on an event the host just learned of; the step to go back to (``rollback``).
+
+    ``skip``: its update was already dropped on the device; recorded, the loop goes on.
+    ``stop``: :class:`GuardStop` on every rank (the event is agreed). ``rollback``: the
+    newest checkpoint is restored and batches are left out of the data stream.
+    """
+    action, event_step = cfg.guard.on_nonfinite, int(verdict["step"])
+    if action == "stop":
+        raise GuardStop(guard.stop_line(verdict, rank, cfg.timeout_s, runner.device))
+    back_to, note = None, ""
+    if action == "skip":
+        event = guard.event(verdict)
+    else:
+        guard.forget()
+        rollback = runner.rollback  # type: ignore[attr-defined]
+        try:
+            back_to, left_out = rollback(store, event_step, cfg.guard.skip_batches)
+        except GuardStop:  # nothing to roll back to: the event ends the run
+            guard.event(verdict)
+            raise
+        event = guard.event(verdict, rolled_back_to=back_to, skipped_batches=left_out)
+        note = f" (back to step {back_to}, batches {left_out} left out)"
+    if outputs.log is not None:
+        guard.write(outputs.log.path, event)
+    if outputs.progress is not None:
+        outputs.progress.note(f"guard: {event.kind} at step {event.step} -> {action}{note}")
+    return back_to
 
 
 def common_summary(

@@ -87,10 +87,11 @@ class MetricsLog:
         self.path = path
         self.records: list[StepRecord] = []
         if resume_at and path.is_file():
-            lines = path.read_text().splitlines()
-            self.records = [StepRecord(**json.loads(line)) for line in lines if line.strip()]
-            self.records = [r for r in self.records if r.step < resume_at]
-            path.write_text("".join(json.dumps(asdict(r)) + "\n" for r in self.records))
+            lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            # the guard's event lines ({"guard_event": ...}) are kept as they were, in place
+            kept = [d for d in lines if d.get("guard_event", d).get("step", 0) < resume_at]
+            self.records = [StepRecord(**d) for d in kept if "guard_event" not in d]
+            path.write_text("".join(json.dumps(d) + "\n" for d in kept))
 
     def append(self, record: StepRecord) -> None:
         self.records.append(record)

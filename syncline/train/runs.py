@@ -9,7 +9,7 @@ the directory and what is wrong; :func:`comparison_table` is a pure function of 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +33,14 @@ class Run:
             under ``pipeline``), whether the run nested its parts or wrote them flat.
         records: metrics.jsonl, one dict per logged step.
         summary: summary.json, or ``{}`` for a run that did not finish.
+        events: the non-finite guard's events in metrics.jsonl (step, kind, action, ...).
     """
 
     label: str
     config: dict[str, Any]
     records: list[dict[str, Any]]
     summary: dict[str, Any]
+    events: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def layout(self) -> str:
@@ -90,8 +92,9 @@ def load_run(path: str | Path) -> Run:
     config = _read_json(run_dir / "config.json", hint)
     metrics = run_dir / "metrics.jsonl"
     try:
-        lines = metrics.read_text().splitlines()
-        records = [json.loads(line) for line in lines if line.strip()]
+        text = metrics.read_text().splitlines()
+        lines: list[dict[str, Any]] = [json.loads(line) for line in text if line.strip()]
+        records = [d for d in lines if "guard_event" not in d]  # the guard's events apart
     except FileNotFoundError:
         raise ConfigError(f"{run_dir}: no metrics.jsonl; {hint}") from None
     except (OSError, ValueError) as exc:
@@ -102,7 +105,8 @@ def load_run(path: str | Path) -> Run:
     summary = _read_json(summary_path, "") if summary_path.is_file() else {}
     if not isinstance(config, dict) or not isinstance(summary, dict):
         raise ConfigError(f"{run_dir}: config.json or summary.json is not a JSON object")
-    return Run(str(path), flatten(TrainConfig, config), records, summary)
+    events = [d["guard_event"] for d in lines if "guard_event" in d]
+    return Run(str(path), flatten(TrainConfig, config), records, summary, events)
 
 
 def _median(values: list[float]) -> float | None:
@@ -152,7 +156,19 @@ def row(run: Run) -> dict[str, str]:
         "wire/step": _bytes(wire),
         "peak memory": f"{_bytes(max(peaks))} {_KIND.get(kind, kind)}" if peaks else "-",
         "time": _number(records[-1].get("elapsed_s"), ".1f") + "s",
+        "guard": _guard_cell(run),
     }
+
+
+def _guard_cell(run: Run) -> str:
+    """The non-finite guard's events, e.g. ``2 skip`` or ``stop@17`` (``-``: none)."""
+    events = run.events
+    if not events:
+        return "stopped" if run.summary.get("stopped") else "-"
+    action = events[-1].get("action", "?")
+    if action == "skip":
+        return f"{len(events)} skip"
+    return ",".join(f"{e.get('action', '?')}@{e.get('step')}" for e in events)
 
 
 def comparison_table(runs: list[Run]) -> str:
@@ -165,6 +181,9 @@ def comparison_table(runs: list[Run]) -> str:
         ['a', 'gpt/-', 'dp', 'x1', '1*', '2.0000', '-', '8.0', '512', '2.0', 'KiB', '-', '1.5s']
     """
     rows = [row(r) for r in runs]
+    if not any(r.events for r in runs):  # the guard's column only where it acted
+        for cells in rows:
+            del cells["guard"]
     columns = list(rows[0]) if rows else []
     widths = {c: max(len(c), *(len(r[c]) for r in rows)) for c in columns}
     numeric = set(columns) - {"run", "model", "layout"}

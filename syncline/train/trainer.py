@@ -18,7 +18,9 @@ from syncline.comm.collectives import Collective
 from syncline.data import ShardedBatches
 from syncline.dp.compressors import build_compressor
 from syncline.dp.engine import DataParallel
+from syncline.dp.guard import StepGuard
 from syncline.dp.precision import LossScaler, autocast
+from syncline.optim.skip import step_unless
 from syncline.pipeline.evaluate import evaluating
 from syncline.train.checkpoint import save_checkpoint
 from syncline.train.common import (
@@ -31,10 +33,12 @@ from syncline.train.common import (
     set_lr,
 )
 from syncline.train.config import TrainConfig
+from syncline.train.guarding import GuardStop, batch_of, inject
 from syncline.train.loop import Opening, Outputs, announce_resume, common_summary, write_summary
 from syncline.train.metrics import memory_summary, plot_loss
 from syncline.train.progress import human_bytes
 from syncline.train.sample import sample_for
+from syncline.train.snapshots import SnapshotStore
 from syncline.train.state import capture_dp, check_dp_optimizer, restore_dp
 from syncline.train.validation import Validation
 
@@ -62,6 +66,9 @@ class DataParallelRunner:
         self.batches = ShardedBatches(self.dataset, cfg.batch_size, rank, world, cfg.seed)
         self.validation = Validation(cfg, self.held_out, rank, world, self.tokens_per_sample)
         compressor = build_compressor(cfg.dp.compression)
+        self.guard = StepGuard(cfg.guard) if cfg.guard.on else None
+        #: batches of the data stream a rollback left out (the stream is the rest, in order)
+        self.skipped_batches: list[int] = []
         self.dp = DataParallel(
             self.model,
             bucket_cap_mb=cfg.dp.bucket_cap_mb,
@@ -69,6 +76,7 @@ class DataParallelRunner:
             timeout_s=cfg.timeout_s,
             compression=compressor,
             allreduce=allreduce,
+            guard=self.guard,
         )
         self.params = [p for p in self.dp.parameters() if p.requires_grad]
         self.opt = make_optimizer(cfg, self.params, compressor)
@@ -92,13 +100,22 @@ class DataParallelRunner:
     def step(self, step: int, lr: float) -> torch.Tensor:
         cfg, dp, scaler = self.cfg, self.dp, self.scaler
         set_lr([self.opt], lr)
-        x, y = self.batches.batch(step)
+        batch = batch_of(step, self.skipped_batches)
+        x, y = self.batches.batch(batch)
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         self.opt.zero_grad(set_to_none=True)
         if self.in_reduce and scaler is not None:
             dp.unscale_in_reduce(scaler.value)
         with autocast(cfg.precision, self.device):
             loss = self.loss_fn(dp(x), y)
+        if self.guard is not None:
+            loss, hooks = inject(cfg.guard, self.rank, batch, self.model, loss)
+            self.guard.watch_loss(loss)
+            loss.backward()
+            for hook in hooks:
+                hook.remove()
+            step_unless(self.opt, self.guard.skip_flag)  # dropped on the device, no host read
+            return loss.detach()
         (loss if scaler is None else scaler.scale(loss)).backward()
         # the engine's overflow flag stays on the device: the verdict is the step's one read
         flagged = dp.overflow_flag_in_reduce() if self.in_reduce else False
@@ -107,6 +124,26 @@ class DataParallelRunner:
         ):
             self.opt.step()
         return loss.detach()
+
+    def rollback(self, store: SnapshotStore, step: int, skip: int) -> tuple[int, list[int]]:
+        """Restore the newest checkpoint and leave out ``skip`` batches of the data stream
+        from the one step ``step`` trained on; the step to continue from, and the batches
+        left out."""
+        snap = store.latest()
+        if snap is None:
+            raise GuardStop(
+                f"rollback at step {step}: no checkpoint to roll back to yet (the first is "
+                "written after checkpoint_every steps); stopped"
+            )
+        start, _ = restore_dp(
+            store, snap, self.model, self.opt, self.dp, self.rank, self.world, self.scaler
+        )
+        first = batch_of(step, self.skipped_batches)
+        left_out = [b for b in range(first, first + skip) if b not in self.skipped_batches]
+        self.skipped_batches = sorted(self.skipped_batches + left_out)
+        assert self.guard is not None
+        self.guard.clear_latch()
+        return start, left_out
 
     def validation_loss(self) -> float:
         return self.validation.dp_loss(self.model, self.loss_fn, self.device)

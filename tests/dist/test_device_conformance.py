@@ -246,6 +246,52 @@ def test_fp16_loss_scaling_on_device(name: str, backend: str) -> None:
     _check(run_fake_rank(_fp16_rank, 0, 2, name, backend, timeout_s=120), reads_per_step=1)
 
 
+def _guarded(spy: Conformance, optimizer: str) -> None:
+    """The non-finite guard: each bucket checked on the device, the verdict agreed in the
+    bucket allreduce's tail, the optimizer skipping on it by a masked update (torch's SGD,
+    LARS): no host read in a steady step. (The fused optimizers' ``found_inf`` path cannot
+    run here: fused kernels refuse ``meta`` tensors.)"""
+    from syncline.dp.guard import StepGuard
+    from syncline.dp.guard_config import GuardConfig
+    from syncline.optim.lars import Lars
+    from syncline.optim.skip import step_unless
+
+    spy.phase("construction")
+    guard = StepGuard(GuardConfig(on_nonfinite="rollback", spike_factor=3.0, spike_window=3))
+    dp = DataParallel(_mlp(), rebuild_buckets=True, guard=guard, **TUNING)
+    params = list(dp.parameters())
+    opt = (
+        torch.optim.SGD(params, lr=0.01, momentum=0.9)
+        if optimizer == "sgd"
+        else Lars(params, lr=0.01, momentum=0.9)
+    )
+    steady = 0
+    for step in range(30):
+        if steady == STEADY_STEPS:
+            break
+        is_steady = step >= WARMUP_STEPS and not dp.tuning_pending
+        spy.phase(f"step {step}", steady=is_steady)
+        steady += is_steady
+        x, y = _batch()
+        loss = F.mse_loss(dp(x), y)
+        guard.watch_loss(loss)
+        loss.backward()
+        step_unless(opt, guard.skip_flag)
+        opt.zero_grad()
+    assert steady == STEADY_STEPS, f"no steady state in 30 steps (tuning: {dp.bucket_tuning})"
+
+
+def _guard_rank(rank: int, world: int, optimizer: str, backend: str) -> dict[str, Any]:
+    del rank, world
+    return _run(_guarded, backend, optimizer)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("optimizer", ["sgd", "lars"])
+def test_nonfinite_guard_on_device(optimizer: str, backend: str) -> None:
+    _check(run_fake_rank(_guard_rank, 0, 2, optimizer, backend, timeout_s=120))
+
+
 # -- pipelines -------------------------------------------------------------------------------
 def _batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     while True:

@@ -66,6 +66,9 @@ HELP_SECTIONS = [
     ("validation", ["--val-fraction", "--eval-every", "--eval-batches", "--sample-tokens"]),
     ("checkpoints and failures", ["--checkpoint-every", "--keep-checkpoints", "--resume",
                                   "--max-restarts"]),
+    ("non-finite values and loss spikes", ["--on-nonfinite", "--skip-batches",
+                                           "--spike-factor", "--spike-window",
+                                           "--inject-nonfinite"]),
 ]  # fmt: skip
 
 

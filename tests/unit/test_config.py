@@ -237,7 +237,10 @@ def test_config_json_nests_the_parts_and_a_flat_one_still_loads() -> None:
         4,
         4,
     )
-    assert cfg.to_flat_dict() == FLAT_CONFIG_JSON  # every setting kept, none added
+    # every setting kept, none added but the guard's, which came later (at their defaults)
+    guard = {"on_nonfinite": "off", "skip_batches": 1, "spike_factor": None}
+    guard |= {"spike_window": 20, "inject_nonfinite": None}
+    assert cfg.to_flat_dict() == {**FLAT_CONFIG_JSON, **guard}
     nested = cfg.to_dict()
     assert nested["optim"]["lr"] == 0.01 and nested["pipeline"]["pipeline_stages"] == 2
     assert nested["dp"]["compression"] == "none" and nested["checkpoint"]["keep_checkpoints"] == 2

@@ -74,6 +74,17 @@ STEADY_STATE: dict[str, tuple[str, ...]] = {
     "dp/placement.py": ("moved_to",),
     "dp/compression.py": ("NoCompression.reduce",),
     "dp/precision.py": ("unscale_and_flag",),
+    # the non-finite guard: observed per bucket, agreed in the allreduce, the optimizer
+    # skipping on the device (the host reads the verdict a step late, in train/guarding.py)
+    "dp/guard.py": (
+        "StepGuard.watch_loss",
+        "StepGuard.begin",
+        "StepGuard.observe",
+        "StepGuard.fill_tail",
+        "StepGuard.settle",
+        "StepGuard.skip_flag",
+    ),
+    "optim/skip.py": ("step_unless", "fused_capable", "_params", "_tensor_state", "_plain_state"),
     # the compressors' reduce / compress / decompress paths
     "dp/compressors/halfwidth.py": ("_HalfWidth.reduce",),
     "dp/compressors/csc.py": (
