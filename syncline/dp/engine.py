@@ -37,7 +37,7 @@ from syncline import comm
 from syncline.comm import join as comm_join
 from syncline.comm.collectives import Collective
 from syncline.comm.device import comm_device
-from syncline.comm.registry import build_allreduce
+from syncline.comm.registry import resolve_allreduce
 from syncline.dp import join as _join
 from syncline.dp.autotune import BucketTuning
 from syncline.dp.buckets import BucketPlan
@@ -51,8 +51,9 @@ from syncline.dp.ddp_surface import (
     refuse_unsupported,
 )
 from syncline.dp.layout import GradBuffer, trainable_parameters
+from syncline.dp.periodic import Synchronizer, SyncStrategy
 from syncline.dp.placement import moved_to, placement
-from syncline.dp.reducer import Reducer
+from syncline.dp.reducer import Reducer, remove_handles
 from syncline.dp.steps import StepStats
 from syncline.dp.tuning import autotune_choice
 from syncline.dp.verify import check_same_on_all_ranks
@@ -122,6 +123,9 @@ class DataParallel(nn.Module, comm_join.Joinable):
             result: only where the buffer is cut.
         tune_steps_per_trial, tune_rounds, tune_final_rounds, tune_keep_margin,
             tune_min_bucket_mb: see :class:`DataParallelConfig`.
+        sync: how often the replicas agree (:data:`syncline.dp.syncs.SYNCS`): every step
+            (default), ``"localsgd:PERIOD[:start=N]"``, ``"diloco:H[...]"`` or a strategy of
+            :mod:`syncline.dp.periodic`; a periodic one needs :meth:`attach`.
 
     Raises:
         ConfigError: on invalid sizes, no trainable parameters, parameters (or broadcast
@@ -170,6 +174,7 @@ class DataParallel(nn.Module, comm_join.Joinable):
         tune_final_rounds: int = _D.tune_final_rounds,
         tune_keep_margin: float = _D.tune_keep_margin,
         tune_min_bucket_mb: float = _D.tune_min_bucket_mb,
+        sync: str | SyncStrategy = "every-step",
     ) -> None:
         settings = {k: v for k, v in locals().items() if k not in ("self", "module", "__class__")}
         super().__init__()
@@ -197,7 +202,7 @@ class DataParallel(nn.Module, comm_join.Joinable):
         autotune_buckets = autotune_choice(
             self._compressor,
             autotune_buckets,
-            bucket_cap_mb is None and first_bucket_cap_mb is None,
+            bucket_cap_mb is None and first_bucket_cap_mb is None and sync == "every-step",
         )
         self.config = DataParallelConfig(
             bucket_cap_mb=_D.bucket_cap_mb if bucket_cap_mb is None else bucket_cap_mb,
@@ -215,7 +220,7 @@ class DataParallel(nn.Module, comm_join.Joinable):
         )
         self.module = module
         self.process_group = process_group
-        self._comm = _resolve_collective(allreduce, process_group, timeout_s)
+        self._comm = resolve_allreduce(allreduce, process_group, timeout_s=timeout_s)
         # the lane (see FlatAllreduce.lane) is a process group: made at the first training
         # forward, every rank's, not here
         self._lane_due = getattr(self._compressor, "wants_lane", False) and isinstance(
@@ -226,6 +231,8 @@ class DataParallel(nn.Module, comm_join.Joinable):
                 module, self._ignored, init_sync_buffers, process_group, timeout_s
             )
         names, params, sparse = trainable_parameters(module, self._ignored)
+        dense_and_sparse = params + [p for _, p in sparse]
+        self._sync = Synchronizer(sync, dense_and_sparse, self._compressor, self._comm)
 
         if init_sync:  # the same starting point on every rank (the one side effect we must have)
             comm.broadcast_tensors(
@@ -263,7 +270,7 @@ class DataParallel(nn.Module, comm_join.Joinable):
         self.install_hooks()
         # the hooks hold the reducer, never this wrapper; once the wrapper is collected they
         # are removed (the finalizer holds only their handle list, which stays the same list)
-        self._finalizer = weakref.finalize(self, _remove_handles, self._reducer.hooks)
+        self._finalizer = weakref.finalize(self, remove_handles, self._reducer.hooks)
         self._world_size = comm.group_size(process_group)
         comm_join.Joinable.__init__(self)  # not in a join context yet
         self._join_state = _join.JoinState()
@@ -321,7 +328,8 @@ class DataParallel(nn.Module, comm_join.Joinable):
         if self._lane_due:
             self._lane_due = False
             comm.open_lane(self._comm)
-        self._reducer.begin_forward(sync=self._sync_enabled, collective=step_comm)
+        reduce = self._sync.begin_forward(self._sync_enabled, training=True)
+        self._reducer.begin_forward(sync=reduce, collective=step_comm)
         self._buf.attach_grads(lazy=True)
         out = self.module(*args, **kwargs)
         if training:
@@ -463,6 +471,22 @@ class DataParallel(nn.Module, comm_join.Joinable):
         self._reducer.restore_steps(int(state["steps_synced"]))
         self._compressor.load_state_dict(state["state"])
 
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Synchronise after each step of ``optimizer`` (``sync=``'s step count); idempotent."""
+        self._sync.attach(optimizer)
+
+    def sync_state_dict(self) -> dict[str, Any]:
+        """The ``sync=`` strategy's state (its step; DiLoCo's outer weights and momentum)."""
+        return self._sync.state_dict()
+
+    def load_sync_state_dict(self, state: dict[str, Any]) -> None:  # see sync_state_dict
+        self._sync.load_state_dict(state)
+
+    @property
+    def replicas_in_sync(self) -> bool:
+        """Whether every rank holds the same weights (``sync=``: not between averagings)."""
+        return self._sync.in_sync()
+
     def install_hooks(self) -> None:
         """Attach the ready-hooks to the parameters (done at construction; again after
         :meth:`remove_hooks`). Idempotent."""
@@ -531,18 +555,3 @@ class DataParallel(nn.Module, comm_join.Joinable):
     def __setstate__(self, state: dict[str, Any]) -> None:
         DataParallel.__init__(self, state["module"], **state["settings"])
         self.train(state["train"])
-
-
-def _remove_handles(handles: list[Any]) -> None:
-    """Remove hook handles (the finalizer of a collected wrapper; must not reference it)."""
-    for h in handles:
-        h.remove()
-    handles.clear()
-
-
-def _resolve_collective(allreduce: str | Collective, group: comm.Group, timeout_s: float) -> Any:
-    """A registered algorithm's name (:data:`syncline.comm.ALLREDUCE`) built over ``group``,
-    or a ``Collective`` the caller built (e.g. a hierarchical one from a topology)."""
-    if isinstance(allreduce, str):
-        return build_allreduce(allreduce, group, timeout_s=timeout_s)
-    return allreduce
