@@ -108,6 +108,8 @@ def pickled_state(dp: DataParallel) -> dict[str, Any]:
         why = "its process group or collective does not survive pickling"
     elif not dp._compressor.stateless:
         why = f"its compressor {dp._compressor.name!r} keeps state a pickle would lose"
+    elif dp._sync.periodic:
+        why = f"its sync={dp._sync.strategy.name!r} keeps state a pickle would lose"
     else:
         dp.remove_hooks()
         try:
@@ -119,5 +121,7 @@ def pickled_state(dp: DataParallel) -> dict[str, Any]:
             "settings": {**args, "init_sync": False},
             "train": dp.training,
         }
-    hint = "save model.module.state_dict() (and compression_state_dict()) instead"
+    hint = (
+        "save model.module.state_dict() (and compression_state_dict(), sync.state_dict()) instead"
+    )
     raise ConfigError(f"DataParallel cannot be pickled or deep-copied: {why}; {hint}")

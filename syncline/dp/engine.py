@@ -475,17 +475,10 @@ class DataParallel(nn.Module, comm_join.Joinable):
         """Synchronise after each step of ``optimizer`` (``sync=``'s step count); idempotent."""
         self._sync.attach(optimizer)
 
-    def sync_state_dict(self) -> dict[str, Any]:
-        """The ``sync=`` strategy's state (its step; DiLoCo's outer weights and momentum)."""
-        return self._sync.state_dict()
-
-    def load_sync_state_dict(self, state: dict[str, Any]) -> None:  # see sync_state_dict
-        self._sync.load_state_dict(state)
-
     @property
-    def replicas_in_sync(self) -> bool:
-        """Whether every rank holds the same weights (``sync=``: not between averagings)."""
-        return self._sync.in_sync()
+    def sync(self) -> Synchronizer:
+        """The ``sync=`` strategy at work: its ``state_dict()``, ``in_sync()``, bytes sent."""
+        return self._sync
 
     def install_hooks(self) -> None:
         """Attach the ready-hooks to the parameters (done at construction; again after

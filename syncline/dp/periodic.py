@@ -36,9 +36,8 @@ import torch
 
 from syncline.comm.collectives import Collective
 from syncline.dp.compression import Compressor
-from syncline.dp.syncs import SYNCS, build_sync
+from syncline.dp.syncs import SYNCS, build_sync, check_diloco, check_localsgd
 from syncline.errors import ConfigError
-from syncline.fields import check_float, check_int
 
 __all__ = ["DiLoCo", "EveryStep", "LocalSGD", "SyncStrategy", "Synchronizer"]
 
@@ -62,8 +61,9 @@ class SyncStrategy(Protocol):
         """A training forward of step ``step`` starts (DiLoCo keeps its outer weights)."""
         ...
 
-    def after_step(self, params: Sequence[torch.Tensor], comm: Collective) -> None:
-        """Step ``step``'s optimizer has stepped: synchronise if due, then count it."""
+    def after_step(self, params: Sequence[torch.Tensor], comm: Collective) -> int:
+        """Step ``step``'s optimizer has stepped: synchronise if due, then count it; the
+        bytes this rank put on the wire."""
         ...
 
     def in_sync(self) -> bool:
@@ -89,9 +89,10 @@ class EveryStep:
     def before_step(self, params: Sequence[torch.Tensor]) -> None:
         del params
 
-    def after_step(self, params: Sequence[torch.Tensor], comm: Collective) -> None:
+    def after_step(self, params: Sequence[torch.Tensor], comm: Collective) -> int:
         del params, comm
         self.step += 1
+        return 0
 
     def in_sync(self) -> bool:
         return True
@@ -136,8 +137,8 @@ class LocalSGD:
     name = "localsgd"
 
     def __init__(self, period: int, start_step: int = 0) -> None:
-        self.period = check_int("localsgd period", period)
-        self.start_step = check_int("localsgd start", start_step, low=0)
+        check_localsgd(period, start_step)
+        self.period, self.start_step = period, start_step
         self.step = 0
 
     def reduces(self) -> bool:
@@ -149,13 +150,17 @@ class LocalSGD:
     def _averages_at(self, step: int) -> bool:
         return step >= self.start_step and (step - self.start_step) % self.period == 0
 
-    def after_step(self, params: Sequence[torch.Tensor], comm: Collective) -> None:
+    def after_step(self, params: Sequence[torch.Tensor], comm: Collective) -> int:
+        sent = 0
         if self._averages_at(self.step) and comm.world_size > 1:
             flat = _flat(params)
             flat.div_(comm.world_size)  # as torch's average_parameters: divided, then summed
-            comm.allreduce(flat, f"localsgd averaging after step {self.step}").wait()
+            pending = comm.allreduce(flat, f"localsgd averaging after step {self.step}")
+            pending.wait()
+            sent = pending.wire_bytes
             _unflatten_into(flat, params)
         self.step += 1
+        return sent
 
     def in_sync(self) -> bool:
         return self.step <= self.start_step or self._averages_at(self.step - 1)
@@ -200,19 +205,9 @@ class DiLoCo:
         outer_momentum: float = 0.9,
         nesterov: int | bool = True,
     ) -> None:
-        self.inner_steps = check_int("diloco inner_steps H", inner_steps)
-        self.start_step = check_int("diloco start", start_step, low=0)
-        self.outer_lr = check_float("diloco outer_lr", outer_lr, above=0)
-        self.outer_momentum = check_float(
-            "diloco outer_momentum", outer_momentum, at_least=0, below=1
-        )
-        if nesterov not in (0, 1):
-            raise ConfigError(f"diloco nesterov={nesterov!r} is invalid; valid: 0 or 1")
-        if nesterov and not outer_momentum:
-            raise ConfigError(
-                "diloco nesterov=1 with outer_momentum=0 is invalid (no momentum to look "
-                "ahead with); valid: outer_momentum > 0, or nesterov=0"
-            )
+        check_diloco(inner_steps, start_step, outer_lr, outer_momentum, nesterov)
+        self.inner_steps, self.start_step = inner_steps, start_step
+        self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
         self.nesterov = bool(nesterov)
         self.step = 0
         self.outer: torch.Tensor | None = None  # the outer weights, flat
@@ -225,22 +220,27 @@ class DiLoCo:
         if self.step >= self.start_step and self.outer is None:
             self.outer = _flat(params).clone()  # the replicas' common weights
 
-    def after_step(self, params: Sequence[torch.Tensor], comm: Collective) -> None:
-        if self.step >= self.start_step and (self.step - self.start_step + 1) % self.inner_steps:
-            self.step += 1
-            return
-        if self.step >= self.start_step:
+    def after_step(self, params: Sequence[torch.Tensor], comm: Collective) -> int:
+        local = self.step - self.start_step
+        sent = (
             self._outer_step(params, comm)
+            if local >= 0 and (local + 1) % self.inner_steps == 0
+            else 0
+        )
         self.step += 1
+        return sent
 
-    def _outer_step(self, params: Sequence[torch.Tensor], comm: Collective) -> None:
+    def _outer_step(self, params: Sequence[torch.Tensor], comm: Collective) -> int:
         if self.outer is None:
             raise RuntimeError("DiLoCo: no outer weights (before_step was not called)")
         self.outer = self.outer.to(params[0].device)
         delta = self.outer - _flat(params)  # this rank's outer gradient
+        sent = 0
         if comm.world_size > 1:
             delta.mul_(1.0 / comm.world_size)
-            comm.allreduce(delta, f"diloco outer gradient after step {self.step}").wait()
+            pending = comm.allreduce(delta, f"diloco outer gradient after step {self.step}")
+            pending.wait()
+            sent = pending.wire_bytes
         m, buf = self.outer_momentum, self.momentum  # torch.optim.SGD's arithmetic
         update = delta
         if m:
@@ -253,6 +253,7 @@ class DiLoCo:
             update = delta.add(buf, alpha=m) if self.nesterov else buf
         self.outer.add_(update, alpha=-self.outer_lr)
         _unflatten_into(self.outer, params)
+        return sent
 
     def in_sync(self) -> bool:
         done = self.step - self.start_step
@@ -303,6 +304,10 @@ class Synchronizer:
         self.comm = comm
         self.periodic = self.strategy.name != "every-step"
         self._handles: dict[int, Any] = {}
+        #: bytes this rank sent in the synchronisation after the last optimizer step
+        self.last_wire_bytes = 0
+        #: whether the last training forward's backward averaged the gradients
+        self.last_reduced = True
         if self.periodic and not compressor.stateless:
             raise ConfigError(
                 f"sync={self.strategy.name!r} with compression={compressor.name!r}: the "
@@ -328,7 +333,7 @@ class Synchronizer:
             self._handles[id(optimizer)] = optimizer.register_step_post_hook(self._stepped)
 
     def _stepped(self, *_: Any) -> None:
-        self.strategy.after_step(self.params, self.comm)
+        self.last_wire_bytes = self.strategy.after_step(self.params, self.comm)
 
     def begin_forward(self, sync_enabled: bool, training: bool) -> bool:
         """A forward starts: whether its backward averages the gradients.
@@ -343,9 +348,11 @@ class Synchronizer:
                 "step and was given no optimizer: call model.attach(optimizer) once, after "
                 "creating it"
             )
+        reduce = sync_enabled and self.strategy.reduces()
         if training:
             self.strategy.before_step(self.params)
-        return sync_enabled and self.strategy.reduces()
+            self.last_reduced = reduce
+        return reduce
 
     def in_sync(self) -> bool:
         """Whether every rank holds the same weights now (after the steps counted so far)."""
@@ -366,3 +373,9 @@ class Synchronizer:
                 f"checkpoint sync {state.get('name')!r} != configured {self.strategy.name!r}"
             )
         self.strategy.load_state_dict(state["state"])
+
+    def restart_at(self, step: int) -> None:
+        """Go on at optimizer step ``step`` with the replicas identical but nothing else
+        known (a checkpoint resumed on another number of ranks): DiLoCo takes the current
+        weights as its outer weights, with a fresh momentum."""
+        self.strategy.load_state_dict({"step": step})

@@ -28,9 +28,19 @@ from typing import Any
 
 from syncline.dp.registry import parse_spec
 from syncline.errors import ConfigError
+from syncline.fields import check_float, check_int
 from syncline.registry import Registry, resolve
 
-__all__ = ["DEFAULT_SYNC", "SYNCS", "SyncSpec", "build_sync", "parse_sync", "sync_forms"]
+__all__ = [
+    "DEFAULT_SYNC",
+    "SYNCS",
+    "SyncSpec",
+    "build_sync",
+    "check_diloco",
+    "check_localsgd",
+    "parse_sync",
+    "sync_forms",
+]
 
 #: the spec of averaging the gradients every step
 DEFAULT_SYNC = "every-step"
@@ -50,6 +60,8 @@ class SyncSpec:
             synchronisations (checkpoints then hold every rank's weights and optimizer).
         state_buffers: parameter-sized fp32 buffers it keeps (DiLoCo: the outer weights and
             their momentum), for the planner's memory.
+        check: validates the parsed values (raising :class:`ConfigError`), so that a bad
+            value is refused before any process starts; the strategy calls it too.
     """
 
     name: str
@@ -59,6 +71,7 @@ class SyncSpec:
     options: Mapping[str, tuple[str, type, str]] = field(default_factory=dict)
     periodic: bool = False
     state_buffers: int = 0
+    check: Callable[..., None] | None = None
 
     @property
     def form(self) -> str:
@@ -86,7 +99,38 @@ def parse_sync(spec: str) -> tuple[SyncSpec, dict[str, Any]]:
         ConfigError: an unknown name, a missing or extra argument, or a value that is not a
             number; the message lists the valid forms (ranges are the strategy's to check).
     """
-    return parse_spec(SYNCS, spec, _fail)
+    entry, kwargs = parse_spec(SYNCS, spec, _fail)
+    if entry.check is not None:
+        entry.check(**kwargs)
+    return entry, kwargs
+
+
+def check_localsgd(period: int, start_step: int = 0) -> None:
+    """Post-local SGD's ranges: ``period >= 1``, ``start >= 0``."""
+    check_int("localsgd period", period)
+    check_int("localsgd start", start_step, low=0)
+
+
+def check_diloco(
+    inner_steps: int,
+    start_step: int = 0,
+    outer_lr: float = 0.7,
+    outer_momentum: float = 0.9,
+    nesterov: int | bool = True,
+) -> None:
+    """DiLoCo's ranges: ``H >= 1``, ``start >= 0``, ``outer_lr > 0``, ``outer_momentum`` in
+    [0, 1), ``nesterov`` 0 or 1 and only with momentum."""
+    check_int("diloco inner_steps H", inner_steps)
+    check_int("diloco start", start_step, low=0)
+    check_float("diloco outer_lr", outer_lr, above=0)
+    check_float("diloco outer_momentum", outer_momentum, at_least=0, below=1)
+    if nesterov not in (0, 1):
+        raise ConfigError(f"diloco nesterov={nesterov!r} is invalid; valid: 0 or 1")
+    if nesterov and not outer_momentum:
+        raise ConfigError(
+            "diloco nesterov=1 with outer_momentum=0 is invalid (no momentum to look ahead "
+            "with); valid: outer_momentum > 0, or nesterov=0"
+        )
 
 
 def build_sync(spec: str) -> Any:
@@ -113,6 +157,7 @@ SYNCS.register(
         argument=("period", int, "PERIOD"),
         options={"start": ("start_step", int, "N")},
         periodic=True,
+        check=check_localsgd,
     )
 )
 SYNCS.register(
@@ -129,5 +174,6 @@ SYNCS.register(
         },
         periodic=True,
         state_buffers=2,
+        check=check_diloco,
     )
 )

@@ -294,6 +294,12 @@ class TrainConfig:
                 f"allreduce={self.dp.allreduce!r} does not combine with pipeline_stages={d} "
                 "yet (each stage's replicas reduce over one flat group); use --allreduce flat"
             )
+        if self.dp.periodic_sync:
+            raise ConfigError(
+                f"sync={self.dp.sync!r} synchronises data-parallel replicas less often; "
+                f"pipeline_stages={d} runs pipelines (their replicas reduce every batch); "
+                "valid: --sync every-step with pipelines, or pipeline_stages=1"
+            )
         if compressor_name(self.dp.compression) != "none" and world == d:
             raise ConfigError(
                 f"compression={self.dp.compression!r} compresses the gradient allreduce of "

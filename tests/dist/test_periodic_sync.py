@@ -101,7 +101,7 @@ def _diloco_rank(rank: int, world: int, h: int, start: int):
     dp = DataParallel(_net(), bucket_cap_mb=25, sync=DiLoCo(h, start_step=start))
     opt = _optimizer("adamw", dp.parameters())
     dp.attach(opt)
-    return _train(dp, opt, rank, range(STEPS)), dp.replicas_in_sync
+    return _train(dp, opt, rank, range(STEPS)), dp.sync.in_sync()
 
 
 def _diloco_reference(world: int, h: int, start: int) -> list[list[list[torch.Tensor]]]:
@@ -171,13 +171,13 @@ def _resume_rank(rank: int, world: int, spec: str, cut: int):
     dp, opt = build()
     _train(dp, opt, rank, range(cut))
     saved = copy.deepcopy(
-        {"model": dp.module.state_dict(), "opt": opt.state_dict(), "sync": dp.sync_state_dict()}
+        {"model": dp.module.state_dict(), "opt": opt.state_dict(), "sync": dp.sync.state_dict()}
     )
-    in_sync = dp.replicas_in_sync
+    in_sync = dp.sync.in_sync()
     dp, opt = build()
     dp.module.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
-    dp.load_sync_state_dict(saved["sync"])
+    dp.sync.load_state_dict(saved["sync"])
     resumed = _train(dp, opt, rank, range(cut, STEPS))[-1]
     return whole, resumed, in_sync
 
@@ -222,3 +222,51 @@ def test_a_periodic_sync_refuses_what_would_break_it() -> None:
     assert "model.attach(optimizer)" in no_opt
     assert "sync='diloco' with compression='csc'" in residuals and "fp16" in residuals
     assert "join() with sync='localsgd'" in join
+
+
+# -- through `syncline train`: checkpointed inside a period, resumed bit for bit ------------
+TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16"]
+TINY += ["--batch-size", "8", "--log-every", "1", "--warmup-steps", "2", "--steps", "9"]
+TINY += ["--eval-every", "0"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "synced_after"),
+    [("localsgd:3:start=2", {2, 5, 8}), ("diloco:3:start=1", {3, 6})],
+)
+def test_syncline_train_resumes_from_inside_a_period_bit_exact(tmp_path, spec, synced_after):
+    """The checkpoint of step 5 is taken with the replicas apart (each rank's weights and
+    AdamW moments are its own); rank 1 dies at step 6; ``--resume`` ends with the
+    uninterrupted run's weights, optimizer and sync state, bit for bit."""
+    import json
+
+    from syncline.train.checkpoint import load_checkpoint
+    from tests.zoo.train import train, train_failing
+
+    ref = tmp_path / "ref"
+    train(*TINY, "--run-dir", str(ref), "--sync", spec)
+    run = tmp_path / "run"
+    failed = train_failing(
+        *TINY, "--run-dir", str(run), "--sync", spec, "--checkpoint-every", "5",
+        "--inject-failure", "1:6",
+    )  # fmt: skip
+    assert "rank 1: injected failure at step 6" in failed.text, failed.text[-3000:]
+    text = train(*TINY, "--run-dir", str(run), "--sync", spec, "--resume", str(run)).text
+    assert "(step 5)" in text, text[-3000:]
+    a, b = load_checkpoint(ref / "checkpoint.pt"), load_checkpoint(run / "checkpoint.pt")
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert a["optimizer"]["state"]
+    for i, state in a["optimizer"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, b["optimizer"]["state"][i][key]), (i, key)
+    assert a["sync"]["state"]["step"] == b["sync"]["state"]["step"] == 9
+    for key, value in a["sync"]["state"].items():
+        same = torch.equal(value, b["sync"]["state"][key]) if torch.is_tensor(value) else (
+            value == b["sync"]["state"][key]
+        )
+        assert same, key
+    records = [json.loads(line) for line in (ref / "metrics.jsonl").read_text().splitlines()]
+    start = 2 if spec.startswith("localsgd") else 1
+    for r in records:  # bytes only where a backward averaged or the replicas synchronised
+        assert (r["wire_bytes"] > 0) == (r["step"] < start or r["step"] in synced_after), r
