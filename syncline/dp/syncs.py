@@ -62,6 +62,10 @@ class SyncSpec:
             their momentum), for the planner's memory.
         check: validates the parsed values (raising :class:`ConfigError`), so that a bad
             value is refused before any process starts; the strategy calls it too.
+        traffic: for the planner, ``(numel, value_bytes, **spec values) -> (collectives,
+            every)``: what one synchronisation sends (as a compressor's traffic, see
+            :mod:`syncline.dp.traffic`) and how many steps apart they are, after its start;
+            ``None`` for a strategy that averages the gradients (priced by the compressor).
     """
 
     name: str
@@ -72,6 +76,7 @@ class SyncSpec:
     periodic: bool = False
     state_buffers: int = 0
     check: Callable[..., None] | None = None
+    traffic: str | Callable[..., Any] | None = None
 
     @property
     def form(self) -> str:
@@ -158,6 +163,7 @@ SYNCS.register(
         options={"start": ("start_step", int, "N")},
         periodic=True,
         check=check_localsgd,
+        traffic="syncline.dp.traffic:localsgd",
     )
 )
 SYNCS.register(
@@ -175,5 +181,6 @@ SYNCS.register(
         periodic=True,
         state_buffers=2,
         check=check_diloco,
+        traffic="syncline.dp.traffic:diloco",
     )
 )
