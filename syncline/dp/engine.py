@@ -472,7 +472,8 @@ class DataParallel(nn.Module, comm_join.Joinable):
         self._compressor.load_state_dict(state["state"])
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Synchronise after each step of ``optimizer`` (``sync=``'s step count); idempotent."""
+        """Synchronise after each step of ``optimizer`` (``sync=``'s step count), and refuse
+        it beside a compressor if momentum would be applied twice; idempotent."""
         self._sync.attach(optimizer)
 
     @property

@@ -36,6 +36,7 @@ import torch
 
 from syncline.comm.collectives import Collective
 from syncline.dp.compression import Compressor
+from syncline.dp.pairing import check_pair
 from syncline.dp.syncs import SYNCS, build_sync, check_diloco, check_localsgd
 from syncline.errors import ConfigError
 
@@ -302,6 +303,7 @@ class Synchronizer:
         self.strategy: SyncStrategy = build_sync(sync) if isinstance(sync, str) else sync
         self.params = params
         self.comm = comm
+        self.compressor = compressor
         self.periodic = self.strategy.name != "every-step"
         self._handles: dict[int, Any] = {}
         #: bytes this rank sent in the synchronisation after the last optimizer step
@@ -328,7 +330,13 @@ class Synchronizer:
         return SYNCS.get(self.strategy.name)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Count ``optimizer``'s steps and synchronise after them (idempotent)."""
+        """Count ``optimizer``'s steps and synchronise after them (idempotent).
+
+        Raises:
+            ConfigError: the optimizer applies momentum beside a compressor that applies it
+                (:func:`syncline.dp.pairing.check_pair`).
+        """
+        check_pair(self.compressor, optimizer)
         if id(optimizer) not in self._handles:
             self._handles[id(optimizer)] = optimizer.register_step_post_hook(self._stepped)
 
