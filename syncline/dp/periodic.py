@@ -37,7 +37,7 @@ import torch
 from syncline.comm.collectives import Collective
 from syncline.dp.compression import Compressor
 from syncline.dp.pairing import check_pair
-from syncline.dp.syncs import SYNCS, build_sync, check_diloco, check_localsgd
+from syncline.dp.syncs import build_sync, check_diloco, check_localsgd
 from syncline.errors import ConfigError
 
 __all__ = ["DiLoCo", "EveryStep", "LocalSGD", "SyncStrategy", "Synchronizer"]
@@ -323,11 +323,6 @@ class Synchronizer:
                 f"these have dtypes {sorted(str(d) for d in {p.dtype for p in params})}; "
                 "valid: parameters of one dtype"
             )
-
-    @property
-    def spec(self) -> Any:
-        """The strategy's registry entry."""
-        return SYNCS.get(self.strategy.name)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Count ``optimizer``'s steps and synchronise after them (idempotent).
