@@ -1,10 +1,11 @@
 """PURE: the combinations of ``syncline train``'s options a test must cover, from the registries.
 
 Every registered optimizer, pipeline schedule, precision, compressor, allreduce algorithm
-and sync (how often replicas agree) is a value of one dimension, so a plug-in's joins the matrix by being registered. Testing
-every combination is out of reach (thousands); :func:`all_pairs` picks few cells that hold
-every pair of values of two dimensions (a covering array of strength 2, the usual answer in
-combinatorial testing: most option bugs need two options to meet).
+and sync (how often replicas agree) is a value of one dimension, so a plug-in's joins the
+matrix by being registered. Testing every combination is out of reach (thousands);
+:func:`all_pairs` picks few cells that hold every pair of values of two dimensions (a
+covering array of strength 2, the usual answer in combinatorial testing: most option bugs
+need two options to meet).
 
 A pair that no valid cell holds (e.g. a compressor with momentum correction beside LAMB's
 own moments) is covered by a cell the validity check refuses: the test then shows that
