@@ -202,7 +202,9 @@ class DataParallel(nn.Module, comm_join.Joinable):
         autotune_buckets = autotune_choice(
             self._compressor,
             autotune_buckets,
-            bucket_cap_mb is None and first_bucket_cap_mb is None and sync == "every-step",
+            bucket_cap_mb is None
+            and first_bucket_cap_mb is None
+            and getattr(sync, "name", sync) == "every-step",
         )
         self.config = DataParallelConfig(
             bucket_cap_mb=_D.bucket_cap_mb if bucket_cap_mb is None else bucket_cap_mb,
