@@ -8,7 +8,8 @@
   2: the same bits for a power of two), the averaging divides the same flat buffer by 2 and
   sums two values, and a sum of two floats does not depend on the order. (On 3 or more
   ranks gloo's ring adds in an order that depends on where an element lies in its buffer,
-  and syncline's gradient buckets are cut elsewhere than DDP's: equal to rounding only.)
+  and syncline's gradient buckets are cut elsewhere than DDP's: equality is not promised
+  there, and not tested.)
 - DiLoCo against a one-process reference written here: two replicas, AdamW inside, the outer
   step with ``torch.optim.SGD(nesterov=True)`` on per-parameter outer weights.
 - Both resume bit-exact from a state taken inside a period.
