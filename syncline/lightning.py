@@ -93,6 +93,13 @@ class SynclineStrategy(DDPStrategy):
                 f"SynclineStrategy: unknown option(s) {unknown}; valid: DDPStrategy's and "
                 "syncline.DataParallel's arguments"
             )
+        if kwargs.get("sync", "every-step") != "every-step":
+            raise ConfigError(
+                f"SynclineStrategy: sync={kwargs['sync']!r} refused: a periodic sync follows "
+                "the optimizer's steps (DataParallel.attach), which Lightning's loop does not "
+                "give it yet; use DataParallel(sync=...) in a loop of your own, or syncline "
+                "train --sync"
+            )
         ALLREDUCE.get(allreduce)  # an unknown name fails now, listing the valid ones
         if isinstance(compression, str):
             build_compressor(compression)  # an invalid spec fails now, listing the valid forms

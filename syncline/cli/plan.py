@@ -196,7 +196,10 @@ def plan(cfg: TrainConfig, ns: argparse.Namespace) -> tuple[dict[str, Any], str]
     if memory is not None:
         cluster = cluster.with_memory(memory)
     costs = _costs_for(cfg, ns, cluster, profile)
-    space = SearchSpace(ranks=ranks, batch_size=cfg.batch_size, optimizer=cfg.optim.optimizer)
+    syncs = tuple(dict.fromkeys(("every-step", cfg.dp.sync)))  # and --sync's, if periodic
+    space = SearchSpace(
+        ranks=ranks, batch_size=cfg.batch_size, optimizer=cfg.optim.optimizer, syncs=syncs
+    )
     found = search(space, costs, cluster)
     extra = [f"--emulate-network={cfg.emulate_network}"] if cfg.emulate_network else []
     document = to_json(found, cluster, _model_args(cfg))

@@ -14,7 +14,7 @@ from typing import Any
 
 from syncline.registry import Registry, resolve
 
-__all__ = ["ALLREDUCE", "AllreduceSpec", "build_allreduce"]
+__all__ = ["ALLREDUCE", "AllreduceSpec", "build_allreduce", "resolve_allreduce"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,14 @@ def build_allreduce(
         ConfigError: an unknown name (listing the valid ones) or a bad topology.
     """
     return resolve(ALLREDUCE.get(name).build)(group, timeout_s, ranks_per_node)
+
+
+def resolve_allreduce(allreduce: Any, group: Any = None, *, timeout_s: float) -> Any:
+    """A registered algorithm's name built over ``group`` (:func:`build_allreduce`), or a
+    ``Collective`` the caller built (e.g. a hierarchical one from a topology) as it is."""
+    if isinstance(allreduce, str):
+        return build_allreduce(allreduce, group, timeout_s=timeout_s)
+    return allreduce
 
 
 ALLREDUCE.register(

@@ -27,6 +27,8 @@ from typing import Any
 
 from syncline.comm.registry import ALLREDUCE
 from syncline.dp.registry import COMPRESSORS, compressor_name, forms, parse
+from syncline.dp.syncs import DEFAULT_SYNC, parse_sync, sync_forms
+from syncline.errors import ConfigError
 from syncline.fields import check_float, check_int, option
 
 __all__ = ["GROUP", "PRECISIONS", "DataParallelConfig", "DataParallelSettings"]
@@ -59,15 +61,33 @@ class DataParallelSettings:
     (reduce-scatter in each node, allreduce across nodes, allgather in each node)."""
     ranks_per_node: int | None = option(None, group=GROUP, default_text="torchrun's local world")
     """Node size for ``hierarchical``; smaller values emulate several nodes on one machine."""
+    sync: str = option(DEFAULT_SYNC, group=GROUP, metavar="SPEC", choices=lambda: sync_forms())
+    """How often the replicas agree, from the sync registry: ``every-step`` (the gradients
+    of every step averaged), ``localsgd:PERIOD[:start=N]`` (post-local SGD: N averaged steps,
+    then local steps with the weights averaged every PERIOD) or ``diloco:H[:start=N]...``
+    (DiLoCo: H local steps of the optimizer, then an outer Nesterov SGD step on the averaged
+    weight change); data parallelism only."""
 
     def __post_init__(self) -> None:
         for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
             if getattr(self, name) is not None:
                 check_float(name, getattr(self, name), above=0)
         parse(self.compression)  # the name and the form; value ranges are the compressor's
+        entry, _ = parse_sync(self.sync)
+        if entry.periodic and COMPRESSORS.get(compressor_name(self.compression)).state_buffers:
+            raise ConfigError(
+                f"sync={self.sync!r} with compression={self.compression!r}: the compressor's "
+                "per-rank residuals would never be sent once the gradients stop being "
+                "averaged; valid: compression none, fp16 or bf16, or sync=every-step"
+            )
         ALLREDUCE.get(self.allreduce)
         if self.ranks_per_node is not None:
             check_int("ranks_per_node", self.ranks_per_node)
+
+    @property
+    def periodic_sync(self) -> bool:
+        """Whether the replicas step alone between synchronisations (``sync`` not every step)."""
+        return parse_sync(self.sync)[0].periodic
 
     @property
     def owns_momentum(self) -> bool:

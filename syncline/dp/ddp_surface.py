@@ -16,6 +16,7 @@ import copy
 import functools
 import inspect
 import textwrap
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -25,7 +26,14 @@ from syncline.errors import ConfigError
 if TYPE_CHECKING:
     from syncline.dp.engine import DataParallel
 
-__all__ = ["ddp_attribute_names", "pickled_state", "refusal", "refuse_unsupported"]
+__all__ = [
+    "buffer_syncs",
+    "ddp_attribute_names",
+    "pickled_state",
+    "refusal",
+    "refuse_unsupported",
+    "take_over",
+]
 
 #: what to use instead of a DDP name DataParallel does not implement
 ALTERNATIVES = {
@@ -108,6 +116,8 @@ def pickled_state(dp: DataParallel) -> dict[str, Any]:
         why = "its process group or collective does not survive pickling"
     elif not dp._compressor.stateless:
         why = f"its compressor {dp._compressor.name!r} keeps state a pickle would lose"
+    elif dp._sync.periodic:
+        why = f"its sync={dp._sync.strategy.name!r} keeps state a pickle would lose"
     else:
         dp.remove_hooks()
         try:
@@ -119,5 +129,36 @@ def pickled_state(dp: DataParallel) -> dict[str, Any]:
             "settings": {**args, "init_sync": False},
             "train": dp.training,
         }
-    hint = "save model.module.state_dict() (and compression_state_dict()) instead"
+    hint = (
+        "save model.module.state_dict() (and compression_state_dict(), sync.state_dict()) instead"
+    )
     raise ConfigError(f"DataParallel cannot be pickled or deep-copied: {why}; {hint}")
+
+
+def buffer_syncs(
+    forward_sync_buffers: bool | None, broadcast_buffers: bool | None
+) -> tuple[bool, bool]:
+    """(buffers synced before forwards, buffers in the initial broadcast), as DDP 2.13 reads
+    its switches: ``forward_sync_buffers`` replaces ``broadcast_buffers``; only the deprecated
+    ``broadcast_buffers=False`` also leaves the buffers out of the initial broadcast."""
+    if forward_sync_buffers is not None:
+        return bool(forward_sync_buffers), True
+    return broadcast_buffers is not False, broadcast_buffers is not False
+
+
+# [Note: one live wrapper per module] A second DataParallel of a module takes over: the
+# previous wrapper's hooks are removed and it refuses to run. Refusing the second one instead
+# would break the commonest re-wrap, ``dp = DataParallel(net)`` run again (a notebook cell, a
+# retry loop), where the old wrapper is still referenced by ``dp`` while the new one is built.
+_OWNER: weakref.WeakKeyDictionary[nn.Module, weakref.ReferenceType[DataParallel]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def take_over(module: nn.Module, wrapper: DataParallel) -> None:
+    """Make ``wrapper`` the live wrapper of ``module``, superseding the previous one."""
+    previous = _OWNER.get(module)
+    old = previous() if previous is not None else None
+    if old is not None and old is not wrapper:
+        old._supersede()
+    _OWNER[module] = weakref.ref(wrapper)

@@ -37,23 +37,26 @@ from syncline import comm
 from syncline.comm import join as comm_join
 from syncline.comm.collectives import Collective
 from syncline.comm.device import comm_device
-from syncline.comm.registry import build_allreduce
+from syncline.comm.registry import resolve_allreduce
 from syncline.dp import join as _join
 from syncline.dp.autotune import BucketTuning
 from syncline.dp.buckets import BucketPlan
 from syncline.dp.compression import Compressor, NoCompression
 from syncline.dp.config import DataParallelConfig
 from syncline.dp.ddp_surface import (
+    buffer_syncs,
     ddp_attribute_names,
     own_attribute,
     pickled_state,
     refusal,
     refuse_unsupported,
+    take_over,
 )
 from syncline.dp.guard import StepGuard, check_guardable
 from syncline.dp.layout import GradBuffer, trainable_parameters
+from syncline.dp.periodic import Synchronizer, SyncStrategy
 from syncline.dp.placement import moved_to, placement
-from syncline.dp.reducer import Reducer
+from syncline.dp.reducer import Reducer, remove_handles
 from syncline.dp.steps import StepStats
 from syncline.dp.tuning import autotune_choice
 from syncline.dp.verify import check_same_on_all_ranks
@@ -62,14 +65,6 @@ from syncline.errors import ConfigError
 __all__ = ["DataParallel", "StepStats"]
 
 _D = DataParallelConfig()  # the defaults of syncline's own settings, written once there
-
-# [Note: one live wrapper per module] A second DataParallel of a module takes over: the
-# previous wrapper's hooks are removed and it refuses to run. Refusing the second one instead
-# would break the commonest re-wrap, ``dp = DataParallel(net)`` run again (a notebook cell, a
-# retry loop), where the old wrapper is still referenced by ``dp`` while the new one is built.
-_OWNER: weakref.WeakKeyDictionary[nn.Module, weakref.ReferenceType[DataParallel]] = (
-    weakref.WeakKeyDictionary()
-)
 
 
 class DataParallel(nn.Module, comm_join.Joinable):
@@ -125,6 +120,9 @@ class DataParallel(nn.Module, comm_join.Joinable):
             tune_min_bucket_mb: see :class:`DataParallelConfig`.
         guard: a :class:`~syncline.dp.guard.StepGuard`: NaN/Inf and loss spikes found on
             the device and agreed inside the bucket allreduce (see that module).
+        sync: how often the replicas agree (:data:`syncline.dp.syncs.SYNCS`): every step
+            (default), ``"localsgd:PERIOD[:start=N]"``, ``"diloco:H[...]"`` or a strategy of
+            :mod:`syncline.dp.periodic`; a periodic one needs :meth:`attach`.
 
     Raises:
         ConfigError: on invalid sizes, no trainable parameters, parameters (or broadcast
@@ -174,6 +172,7 @@ class DataParallel(nn.Module, comm_join.Joinable):
         tune_keep_margin: float = _D.tune_keep_margin,
         tune_min_bucket_mb: float = _D.tune_min_bucket_mb,
         guard: StepGuard | None = None,
+        sync: str | SyncStrategy = "every-step",
     ) -> None:
         settings = {k: v for k, v in locals().items() if k not in ("self", "module", "__class__")}
         super().__init__()
@@ -191,17 +190,14 @@ class DataParallel(nn.Module, comm_join.Joinable):
         self.device_ids, self.output_device, self._input_device = placement(
             module, self._ignored, device_ids, output_device, comm.backend_name(process_group)
         )
-        # DDP 2.13: forward_sync_buffers replaces broadcast_buffers; only the deprecated
-        # broadcast_buffers=False also leaves the buffers out of the initial broadcast
-        if forward_sync_buffers is not None:
-            sync_buffers, init_sync_buffers = bool(forward_sync_buffers), True
-        else:
-            sync_buffers = init_sync_buffers = broadcast_buffers is not False
+        sync_buffers, init_sync_buffers = buffer_syncs(forward_sync_buffers, broadcast_buffers)
         self._compressor: Compressor = compression or NoCompression()
         autotune_buckets = autotune_choice(
             self._compressor,
             autotune_buckets,
-            bucket_cap_mb is None and first_bucket_cap_mb is None,
+            bucket_cap_mb is None
+            and first_bucket_cap_mb is None
+            and getattr(sync, "name", sync) == "every-step",
         )
         self.config = DataParallelConfig(
             bucket_cap_mb=_D.bucket_cap_mb if bucket_cap_mb is None else bucket_cap_mb,
@@ -219,7 +215,7 @@ class DataParallel(nn.Module, comm_join.Joinable):
         )
         self.module = module
         self.process_group = process_group
-        self._comm = _resolve_collective(allreduce, process_group, timeout_s)
+        self._comm = resolve_allreduce(allreduce, process_group, timeout_s=timeout_s)
         # the lane (see FlatAllreduce.lane) is a process group: made at the first training
         # forward, every rank's, not here
         self._lane_due = getattr(self._compressor, "wants_lane", False) and isinstance(
@@ -230,8 +226,10 @@ class DataParallel(nn.Module, comm_join.Joinable):
                 module, self._ignored, init_sync_buffers, process_group, timeout_s
             )
         names, params, sparse = trainable_parameters(module, self._ignored)
+        dense_and_sparse = params + [p for _, p in sparse]
+        self._sync = Synchronizer(sync, dense_and_sparse, self._compressor, self._comm)
         if guard is not None:  # before the buffer is laid out with the guard's tail
-            check_guardable(self._compressor, params, sparse)
+            check_guardable(self._compressor, params, sparse, periodic=self._sync.periodic)
 
         if init_sync:  # the same starting point on every rank (the one side effect we must have)
             comm.broadcast_tensors(
@@ -264,15 +262,11 @@ class DataParallel(nn.Module, comm_join.Joinable):
             guard=guard,
         )
         self._superseded = False
-        previous = _OWNER.get(module)
-        old = previous() if previous is not None else None
-        if old is not None and old is not self:
-            old._supersede()
-        _OWNER[module] = weakref.ref(self)
+        take_over(module, self)
         self.install_hooks()
         # the hooks hold the reducer, never this wrapper; once the wrapper is collected they
         # are removed (the finalizer holds only their handle list, which stays the same list)
-        self._finalizer = weakref.finalize(self, _remove_handles, self._reducer.hooks)
+        self._finalizer = weakref.finalize(self, remove_handles, self._reducer.hooks)
         self._world_size = comm.group_size(process_group)
         comm_join.Joinable.__init__(self)  # not in a join context yet
         self._join_state = _join.JoinState()
@@ -330,7 +324,8 @@ class DataParallel(nn.Module, comm_join.Joinable):
         if self._lane_due:
             self._lane_due = False
             comm.open_lane(self._comm)
-        self._reducer.begin_forward(sync=self._sync_enabled, collective=step_comm)
+        reduce = self._sync.begin_forward(self._sync_enabled, training=True)
+        self._reducer.begin_forward(sync=reduce, collective=step_comm)
         self._buf.attach_grads(lazy=True)
         out = self.module(*args, **kwargs)
         if training:
@@ -472,6 +467,16 @@ class DataParallel(nn.Module, comm_join.Joinable):
         self._reducer.restore_steps(int(state["steps_synced"]))
         self._compressor.load_state_dict(state["state"])
 
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Synchronise after each step of ``optimizer`` (``sync=``'s step count), and refuse
+        it beside a compressor if momentum would be applied twice; idempotent."""
+        self._sync.attach(optimizer)
+
+    @property
+    def sync(self) -> Synchronizer:
+        """The ``sync=`` strategy at work: its ``state_dict()``, ``in_sync()``, bytes sent."""
+        return self._sync
+
     def install_hooks(self) -> None:
         """Attach the ready-hooks to the parameters (done at construction; again after
         :meth:`remove_hooks`). Idempotent."""
@@ -540,18 +545,3 @@ class DataParallel(nn.Module, comm_join.Joinable):
     def __setstate__(self, state: dict[str, Any]) -> None:
         DataParallel.__init__(self, state["module"], **state["settings"])
         self.train(state["train"])
-
-
-def _remove_handles(handles: list[Any]) -> None:
-    """Remove hook handles (the finalizer of a collected wrapper; must not reference it)."""
-    for h in handles:
-        h.remove()
-    handles.clear()
-
-
-def _resolve_collective(allreduce: str | Collective, group: comm.Group, timeout_s: float) -> Any:
-    """A registered algorithm's name (:data:`syncline.comm.ALLREDUCE`) built over ``group``,
-    or a ``Collective`` the caller built (e.g. a hierarchical one from a topology)."""
-    if isinstance(allreduce, str):
-        return build_allreduce(allreduce, group, timeout_s=timeout_s)
-    return allreduce

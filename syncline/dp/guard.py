@@ -180,13 +180,22 @@ class StepGuard:
         return self.names[index] if 0 <= index < len(self.names) else None
 
 
-def check_guardable(compressor: Compressor, params: list[torch.Tensor], sparse: list[Any]) -> None:
+def check_guardable(
+    compressor: Compressor, params: list[torch.Tensor], sparse: list[Any], *, periodic: bool = False
+) -> None:
     """Refuse a guard where its verdict could not ride the allreduce (the module says why).
 
     Raises:
-        ConfigError: a compressor that keeps per-bucket state, several gradient dtypes, or
-            sparse gradients.
+        ConfigError: a compressor that keeps per-bucket state, several gradient dtypes,
+            sparse gradients, or a periodic sync (local SGD, DiLoCo: most steps have no
+            allreduce for the verdict to ride).
     """
+    if periodic:
+        raise ConfigError(
+            "DataParallel: guard= with a periodic sync (local SGD, DiLoCo) is not supported: "
+            "the guard's verdict rides each step's gradient allreduce, which these skip; "
+            "valid: sync='every-step'"
+        )
     if not compressor.stateless:
         raise ConfigError(
             f"DataParallel: guard= with compression {compressor.name!r} is not supported: the "

@@ -111,8 +111,15 @@ def check_joinable(dp: DataParallel) -> None:
 
     Raises:
         ConfigError: the compressor keeps per-rank state (residuals, factors) or a second
-            process group: a rank without gradients would send its residuals, not zeros.
+            process group: a rank without gradients would send its residuals, not zeros;
+            or ``sync=`` is periodic.
     """
+    if dp._sync.periodic:
+        raise ConfigError(
+            f"DataParallel.join() with sync={dp._sync.strategy.name!r}: a rank out of inputs "
+            "would stop counting the optimizer steps its synchronisations follow; give every "
+            "rank the same number of batches (DistributedSampler(drop_last=True))"
+        )
     c = dp._compressor
     if c.stateless and not getattr(c, "wants_lane", False):
         return

@@ -33,7 +33,7 @@ from syncline.dp.layout import GradBuffer
 from syncline.dp.precision import unscale_and_flag
 from syncline.dp.steps import StepState, StepStats
 
-__all__ = ["Reducer"]
+__all__ = ["Reducer", "remove_handles"]
 
 
 class Reducer:
@@ -523,3 +523,10 @@ class Reducer:
             dense_bytes=buf.nbytes,
             watch=watch.stop(),
         )
+
+
+def remove_handles(handles: list[Any]) -> None:
+    """Remove hook handles (the finalizer of a collected wrapper; must not reference it)."""
+    for h in handles:
+        h.remove()
+    handles.clear()

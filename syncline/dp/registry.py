@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from syncline.errors import ConfigError
 from syncline.registry import Registry, resolve
@@ -79,17 +79,59 @@ def _fail(spec: str, why: str) -> ConfigError:
     return ConfigError(f"compression spec {spec!r}: {why}; valid forms: {', '.join(forms())}")
 
 
-def _convert(spec: str, key: str, text: str, kind: type) -> Any:
-    try:
-        return kind(text)
-    except ValueError:
-        what = "an integer" if kind is int else "a number"
-        raise _fail(spec, f"{key}={text!r} is not {what}") from None
-
-
 def compressor_name(spec: str) -> str:
     """The registry name a spec starts with (``"csc:0.01"`` -> ``"csc"``), lower-cased."""
     return spec.strip().split(":")[0].lower()
+
+
+class SpecEntry(Protocol):
+    """What :func:`parse_spec` reads of a registry entry (compressors, synchronisations)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def argument(self) -> tuple[str, type, str] | None: ...
+    @property
+    def options(self) -> Mapping[str, tuple[str, type, str]]: ...
+
+
+S = TypeVar("S", bound=SpecEntry)
+
+
+def parse_spec(
+    registry: Registry[S], spec: str, fail: Callable[[str, str], ConfigError]
+) -> tuple[S, dict[str, Any]]:
+    """The entry of ``registry`` a ``name[:ARGUMENT][:key=value]...`` spec names and the
+    keyword arguments it gives (``fail(spec, why)`` makes the error, listing valid forms)."""
+    name, *parts = spec.strip().split(":")
+    if name.lower() not in registry:
+        raise fail(spec, f"unknown {registry.kind} {name!r}")
+    entry = registry.get(name.lower())
+    kwargs: dict[str, Any] = {}
+
+    def convert(key: str, text: str, kind: type) -> Any:
+        try:
+            return kind(text)
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise fail(spec, f"{key}={text!r} is not {what}") from None
+
+    if entry.argument is not None:
+        arg, kind, _ = entry.argument
+        if not parts or "=" in parts[0]:
+            raise fail(spec, f"{name} needs its {arg}")
+        kwargs[arg] = convert(arg, parts[0], kind)
+        parts = parts[1:]
+    for part in parts:
+        key, eq, text = part.partition("=")
+        if not eq or key not in entry.options:
+            valid = ", ".join(f"{k}=" for k in entry.options) or "none"
+            raise fail(spec, f"unexpected {part!r} (options of {name}: {valid})")
+        arg, kind, _ = entry.options[key]
+        if arg in kwargs:
+            raise fail(spec, f"{key}= given twice")
+        kwargs[arg] = convert(key, text, kind)
+    return entry, kwargs
 
 
 def parse(spec: str) -> tuple[CompressorSpec, dict[str, Any]]:
@@ -99,27 +141,7 @@ def parse(spec: str) -> tuple[CompressorSpec, dict[str, Any]]:
         ConfigError: on an unknown name, a missing or extra argument, or a bad value; the
             message lists the valid forms.
     """
-    name, *parts = spec.strip().split(":")
-    if name.lower() not in COMPRESSORS:
-        raise _fail(spec, f"unknown compressor {name!r}")
-    entry = COMPRESSORS.get(name.lower())
-    kwargs: dict[str, Any] = {}
-    if entry.argument is not None:
-        arg, kind, _ = entry.argument
-        if not parts or "=" in parts[0]:
-            raise _fail(spec, f"{name} needs its {arg}")
-        kwargs[arg] = _convert(spec, arg, parts[0], kind)
-        parts = parts[1:]
-    for part in parts:
-        key, eq, text = part.partition("=")
-        if not eq or key not in entry.options:
-            valid = ", ".join(f"{k}=" for k in entry.options) or "none"
-            raise _fail(spec, f"unexpected {part!r} (options of {name}: {valid})")
-        arg, kind, _ = entry.options[key]
-        if arg in kwargs:
-            raise _fail(spec, f"{key}= given twice")
-        kwargs[arg] = _convert(spec, key, text, kind)
-    return entry, kwargs
+    return parse_spec(COMPRESSORS, spec, _fail)
 
 
 def build_compressor(spec: str) -> Compressor:

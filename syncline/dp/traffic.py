@@ -15,7 +15,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["Traffic", "csc", "dense", "halfwidth", "powersgd", "topk"]
+__all__ = ["Traffic", "csc", "dense", "diloco", "halfwidth", "localsgd", "powersgd", "topk"]
 
 #: one bucket's collectives: (``"allreduce"`` | ``"allgather"``, bytes per rank)
 Traffic = list[tuple[str, float]]
@@ -81,3 +81,15 @@ def powersgd(
             low += rank * (a + b)
             rest -= a * b
     return [("allreduce", 4 * (max(rest, 0) + low / 2)), ("allreduce", 2 * low)]
+
+
+# -- synchronising less often (syncline.dp.syncs): (what one synchronisation sends, every) ----
+def localsgd(numel: int, value_bytes: int, *, period: int, **_: Any) -> tuple[Traffic, int]:
+    """Post-local SGD, after its start: the weights in one allreduce every ``period`` steps."""
+    return [("allreduce", value_bytes * numel)], period
+
+
+def diloco(numel: int, value_bytes: int, *, inner_steps: int, **_: Any) -> tuple[Traffic, int]:
+    """DiLoCo, after its start: the outer gradient (weight-sized) in one allreduce every
+    ``inner_steps`` steps."""
+    return [("allreduce", value_bytes * numel)], inner_steps

@@ -30,14 +30,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from syncline.dp.registry import COMPRESSORS, compressor_name
+from syncline.dp.syncs import DEFAULT_SYNC, parse_sync
 from syncline.errors import ConfigError
 from syncline.optim.registry import OPTIMIZERS
 from syncline.partition import balance as balance_layers
 from syncline.partition import check_balance, stage_bounds
-from syncline.planner.collectives import bucket_phases, phases_s
+from syncline.planner.collectives import Phase, bucket_phases, phases_s
 from syncline.planner.costs import ModelCosts
 from syncline.planner.hardware import Cluster, Link
 from syncline.planner.timeline import Compiled, compile_schedule
+from syncline.registry import resolve
 from syncline.schedule import SCHEDULES, ActionKind, add_communication, two_bw
 from syncline.schedule.ir import Action, Schedule
 from syncline.schedule.registry import build_plan
@@ -64,10 +66,13 @@ class Configuration:
     bucket_cap_mb: float = 25.0
     first_bucket_cap_mb: float = 1.0
     optimizer: str = "adamw"
+    sync: str = DEFAULT_SYNC
 
     def __post_init__(self) -> None:
         if self.ranks < 1 or self.stages < 1 or self.ranks % self.stages:
             raise ConfigError(f"stages={self.stages} must divide ranks={self.ranks} (both >= 1)")
+        if self.periodic and self.stages > 1:
+            raise ConfigError(f"sync={self.sync!r} is for data parallelism, not pipelines")
         if self.stages > 1:
             if self.schedule is None or self.microbatches is None:
                 raise ConfigError("a pipeline configuration needs schedule and microbatches")
@@ -79,6 +84,11 @@ class Configuration:
         elif self.batch_size % self.ranks:
             raise ConfigError(f"batch_size={self.batch_size} is not a multiple of {self.ranks}")
         OPTIMIZERS.get(self.optimizer)  # an unknown one: named, with the registered ones
+
+    @property
+    def periodic(self) -> bool:
+        """Whether the replicas synchronise every few steps rather than every step."""
+        return parse_sync(self.sync)[0].periodic
 
     @property
     def width(self) -> int:
@@ -96,7 +106,8 @@ class Configuration:
         """A short label, e.g. ``dp csc:0.01`` or ``pp 2x1 2bw m=8 recompute``."""
         if self.stages == 1:
             algo = "" if self.allreduce == "flat" else f" {self.allreduce}"
-            return f"dp {self.compression}{algo}"
+            sync = f" sync {self.sync}" if self.periodic else ""
+            return f"dp {self.compression}{algo}{sync}"
         text = f"pp {self.stages}x{self.width} {self.schedule} m={self.microbatches}"
         if self.recompute:
             text += " recompute"
@@ -118,6 +129,8 @@ class Configuration:
             args.append(f"--compression={self.compression}")
         if self.stages == 1:
             args.append(f"--bucket-cap-mb={self.bucket_cap_mb:g}")
+            if self.periodic:
+                args.append(f"--sync={self.sync}")
             if self.allreduce != "flat":
                 args.append(f"--allreduce={self.allreduce}")
             return args
@@ -184,6 +197,7 @@ def _state_bytes(params: int, costs: ModelCosts, config: Configuration, versions
     per = costs.param_bytes
     compressor = compressor_name(config.compression) if config.width > 1 else "none"
     states = _optimizer_states(config) + _compressor_states(compressor)
+    states += parse_sync(config.sync)[0].state_buffers  # DiLoCo: outer weights, momentum
     return params * (per * versions + per + 4 * states)
 
 
@@ -235,7 +249,12 @@ def _buckets(costs: ModelCosts, config: Configuration) -> list[tuple[int, list[i
 
 
 def predict_data_parallel(costs: ModelCosts, cluster: Cluster, config: Configuration) -> Prediction:
-    """Data parallelism over all ranks (``config.stages == 1``)."""
+    """Data parallelism over all ranks (``config.stages == 1``).
+
+    With a periodic ``sync`` (local SGD, DiLoCo) the steady state averages no gradient: each
+    step pays, not overlapped, its share of one weight-sized allreduce every ``period``
+    steps (bytes and time over the period; the dense warm-up is left out, as a compressor's
+    is)."""
     b = config.microbatch_size
     ranks = list(range(config.ranks))
     forward = sum(layer.forward.at(b) for layer in costs.layers) + costs.loss.at(b)
@@ -243,6 +262,7 @@ def predict_data_parallel(costs: ModelCosts, cluster: Cluster, config: Configura
     backward = sum(backward_of.values())
     name = compressor_name(config.compression)
     compress = cluster.compress_s_per_byte.get(name, 0.0)
+    buckets = [] if config.periodic else _buckets(costs, config)
 
     def chain(slowdown: float) -> tuple[float, float, float]:
         """(backward end, last bucket end, communication inside the backward)."""
@@ -251,7 +271,7 @@ def predict_data_parallel(costs: ModelCosts, cluster: Cluster, config: Configura
             t += backward_of[i] * (1 + slowdown)
             ready[i] = t
         end, inside, total = 0.0, 0.0, 0.0
-        for numel, members in _buckets(costs, config):
+        for numel, members in buckets:
             matrices = [m for i in members for m in costs.layers[i].matrices]
             phases = bucket_phases(config.compression, numel, matrices, costs.param_bytes)
             span = phases_s(phases, ranks, cluster, config.allreduce, cluster.reduce_s_per_byte)
@@ -264,7 +284,7 @@ def predict_data_parallel(costs: ModelCosts, cluster: Cluster, config: Configura
 
     wire = 0.0
     if config.ranks > 1:
-        for numel, members in _buckets(costs, config):
+        for numel, members in buckets:
             matrices = [m for i in members for m in costs.layers[i].matrices]
             phases = bucket_phases(config.compression, numel, matrices, costs.param_bytes)
             wire += sum(p.nbytes for p in phases)
@@ -273,11 +293,14 @@ def predict_data_parallel(costs: ModelCosts, cluster: Cluster, config: Configura
         slowdown = cluster.overlap_slowdown * inside / backward
         bwd_end, comm_end, inside = chain(slowdown)
     exposed = max(0.0, comm_end - bwd_end) if config.ranks > 1 else 0.0
+    sync_s, sync_wire = _periodic_sync(costs, cluster, config)
+    exposed += sync_s
+    wire += sync_wire
     update = costs.update_s_per_param * costs.params
     overhead = cluster.step_overhead_s
     step = forward + bwd_end + exposed + update + overhead
     activations = sum(layer.activation_bytes for layer in costs.layers) * b
-    largest = max((numel for numel, _ in _buckets(costs, config)), default=0)
+    largest = max((numel for numel, _ in buckets), default=0)
     compressor = compressor_name(config.compression) if config.ranks > 1 else "none"
     transient = _transient(compressor) * largest
     memory = (
@@ -294,6 +317,22 @@ def predict_data_parallel(costs: ModelCosts, cluster: Cluster, config: Configura
         "overhead": overhead,
     }
     return _finish(config, costs, cluster, step, [memory], breakdown, wire)
+
+
+def _periodic_sync(
+    costs: ModelCosts, cluster: Cluster, config: Configuration
+) -> tuple[float, float]:
+    """Seconds and bytes per step of a periodic sync's synchronisations (0 without one)."""
+    entry, values = parse_sync(config.sync)
+    if not entry.periodic or config.ranks == 1:
+        return 0.0, 0.0
+    if entry.traffic is None:
+        raise ConfigError(f"sync={config.sync!r}: the planner has no traffic model for it")
+    traffic, every = resolve(entry.traffic)(costs.params, costs.param_bytes, **values)
+    phases = [Phase(kind, nbytes) for kind, nbytes in traffic]
+    ranks = list(range(config.ranks))
+    span = phases_s(phases, ranks, cluster, config.allreduce, cluster.reduce_s_per_byte)
+    return span / every, sum(p.nbytes for p in phases) / every
 
 
 def _stage_layers(costs: ModelCosts, config: Configuration, stages: int) -> list[list[int]]:

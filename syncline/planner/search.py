@@ -7,7 +7,8 @@ algorithm. What does not fit in memory is kept but ranked after everything that 
 user sees why a configuration was dropped.
 
 Ranking: predicted step time, with two rules a user would apply by hand. A lossy compressor
-(everything but ``none``, ``fp16`` and ``bf16``) changes what is optimised, so it ranks
+(everything but ``none``, ``fp16`` and ``bf16``) or a periodic sync (local SGD, DiLoCo)
+changes what is optimised, so it ranks
 above an exact configuration only when it is predicted at least ``LOSSY_MARGIN`` faster;
 and times within ``TIE`` of each other are a tie (the model is not that precise), broken
 by less memory.
@@ -20,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from syncline.dp.registry import COMPRESSORS, compressor_name
+from syncline.dp.syncs import DEFAULT_SYNC, parse_sync
 from syncline.errors import ConfigError
 from syncline.fields import check_int
 from syncline.optim.registry import OPTIMIZERS
@@ -57,10 +59,15 @@ class SearchSpace:
     data_parallel: bool = True
     optimizer: str = "adamw"
     bucket_cap_mb: float = 25.0
+    syncs: tuple[str, ...] = (DEFAULT_SYNC,)
+    """How often data-parallel replicas synchronise (``syncline.dp.syncs``); a periodic one
+    is searched uncompressed (after its start no gradient is sent)."""
 
     def __post_init__(self) -> None:
         for name in ("ranks", "batch_size", "max_microbatches"):
             check_int(name, getattr(self, name))
+        for spec in self.syncs:
+            parse_sync(spec)
         for name in self.schedules:
             SCHEDULES.get(name)
         if OPTIMIZERS.get(self.optimizer).adaptive:  # a compressor's momentum: twice
@@ -82,7 +89,10 @@ def candidates(space: SearchSpace, costs: ModelCosts, cluster: Cluster) -> Itera
     if space.data_parallel and batch % n == 0:
         algorithms = ("flat", "hierarchical") if nodes > 1 and n > 1 else ("flat",)
         compressions = space.compressions if n > 1 else ("none",)
-        for compression in compressions:
+        pairs = [(c, DEFAULT_SYNC) for c in compressions]
+        if n > 1:
+            pairs += [("none", s) for s in space.syncs if parse_sync(s)[0].periodic]
+        for compression, sync in pairs:
             for algorithm in algorithms:
                 yield Configuration(
                     n,
@@ -91,6 +101,7 @@ def candidates(space: SearchSpace, costs: ModelCosts, cluster: Cluster) -> Itera
                     allreduce=algorithm,
                     optimizer=space.optimizer,
                     bucket_cap_mb=space.bucket_cap_mb,
+                    sync=sync,
                 )
     if not space.pipelines:
         return
@@ -142,7 +153,7 @@ def search(space: SearchSpace, costs: ModelCosts, cluster: Cluster) -> list[Pred
 
 
 def _rank_key(p: Prediction) -> tuple[bool, int, int, float]:
-    lossy = p.config.compression.split(":")[0] not in EXACT_COMPRESSIONS
+    lossy = p.config.compression.split(":")[0] not in EXACT_COMPRESSIONS or p.config.periodic
     time = p.step_s * (1 + LOSSY_MARGIN if lossy else 1)
     return (not p.fits, round(math.log(max(time, 1e-12)) / math.log1p(TIE)), p.peak_bytes, time)
 
@@ -173,6 +184,7 @@ def to_json(predictions: Sequence[Prediction], cluster: Cluster, model_args: Seq
                 "recompute": c.recompute,
                 "compression": c.compression,
                 "allreduce": c.allreduce,
+                "sync": c.sync,
                 "balance": None if c.balance is None else list(c.balance),
             }
         )

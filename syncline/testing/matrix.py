@@ -1,10 +1,11 @@
 """PURE: the combinations of ``syncline train``'s options a test must cover, from the registries.
 
-Every registered optimizer, pipeline schedule, precision, compressor and allreduce algorithm
-is a value of one dimension, so a plug-in's joins the matrix by being registered. Testing
-every combination is out of reach (thousands); :func:`all_pairs` picks few cells that hold
-every pair of values of two dimensions (a covering array of strength 2, the usual answer in
-combinatorial testing: most option bugs need two options to meet).
+Every registered optimizer, pipeline schedule, precision, compressor, allreduce algorithm
+and sync (how often replicas agree) is a value of one dimension, so a plug-in's joins the
+matrix by being registered. Testing every combination is out of reach (thousands);
+:func:`all_pairs` picks few cells that hold every pair of values of two dimensions (a
+covering array of strength 2, the usual answer in combinatorial testing: most option bugs
+need two options to meet).
 
 A pair that no valid cell holds (e.g. a compressor with momentum correction beside LAMB's
 own moments) is covered by a cell the validity check refuses: the test then shows that
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from syncline.comm.registry import ALLREDUCE
 from syncline.dp.config import PRECISIONS
 from syncline.dp.registry import COMPRESSORS
+from syncline.dp.syncs import SYNCS
 from syncline.optim.registry import OPTIMIZERS
 from syncline.schedule.registry import SCHEDULES
 
@@ -54,6 +56,7 @@ def train_dimensions() -> list[Dimension]:
         Dimension("precision", tuple(PRECISIONS)),
         Dimension("compression", tuple(COMPRESSORS.names())),
         Dimension("allreduce", tuple(ALLREDUCE.names())),
+        Dimension("sync", tuple(SYNCS.names())),
         Dimension("continuation", ("resume", "restart")),
         Dimension("validation", ("off", "on")),
     ]

@@ -284,6 +284,12 @@ class TrainConfig:
                 "guard's verdict rides the gradient allreduce, which this compressor "
                 "sparsifies or factorises; valid: compression none, fp16 or bf16"
             )
+        if self.dp.sync != "every-step":
+            raise ConfigError(
+                f"{what} with sync={self.dp.sync!r} is not supported: the guard's verdict "
+                "rides each step's gradient allreduce, which a periodic sync skips; valid: "
+                "sync every-step"
+            )
         if self.precision == "fp16":
             raise ConfigError(
                 f"{what} with precision=fp16 is not supported: the loss scaler already "
@@ -334,6 +340,12 @@ class TrainConfig:
             raise ConfigError(
                 f"allreduce={self.dp.allreduce!r} does not combine with pipeline_stages={d} "
                 "yet (each stage's replicas reduce over one flat group); use --allreduce flat"
+            )
+        if self.dp.periodic_sync:
+            raise ConfigError(
+                f"sync={self.dp.sync!r} synchronises data-parallel replicas less often; "
+                f"pipeline_stages={d} runs pipelines (their replicas reduce every batch); "
+                "valid: --sync every-step with pipelines, or pipeline_stages=1"
             )
         if compressor_name(self.dp.compression) != "none" and world == d:
             raise ConfigError(

@@ -92,22 +92,23 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _local_entries(rank: int, compression: dict[str, Any]) -> dict[str, torch.Tensor]:
-    local, tensors = split_tensors({"rng": _rng_state(), "compression": compression})
+def _local_entries(rank: int, compression: dict[str, Any], **more: Any) -> dict[str, torch.Tensor]:
+    local, tensors = split_tensors({"rng": _rng_state(), "compression": compression, **more})
     out = {f"rank{rank}/{i}": t.cpu() for i, t in enumerate(tensors)}
     out[f"rank{rank}/skeleton"] = pack_object(local)
     return out
 
 
 def _local_state(got: dict[str, torch.Tensor], rank: int, device: torch.device) -> dict[str, Any]:
-    """This rank's RNG states (set now; they stay CPU tensors, as torch takes them) and its
-    compressor state, returned with its tensors on ``device`` (a checkpoint is read into
-    CPU tensors; CUDA gradients must meet residuals on their own device)."""
+    """This rank's RNG states (set now; they stay CPU tensors, as torch takes them) and the
+    rest of its own state (its compressor's; with ``sync=``, the strategy's and, saved
+    between two synchronisations, its replica), returned with its tensors on ``device`` (a
+    checkpoint is read into CPU tensors; CUDA gradients must meet residuals on their own
+    device)."""
     skeleton = unpack_object(got[f"rank{rank}/skeleton"], f"rank {rank} state")
     tensors = _numbered(got, f"rank{rank}/")
-    _set_rng_state(join_tensors(skeleton["rng"], tensors))
-    compression = join_tensors(skeleton["compression"], [t.to(device) for t in tensors])
-    return {"compression": compression}
+    _set_rng_state(join_tensors(skeleton.pop("rng"), tensors))
+    return dict(join_tensors(skeleton, [t.to(device) for t in tensors]))
 
 
 def check_dp_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -130,11 +131,21 @@ def capture_dp(
     scaler: LossScaler | None = None,
 ) -> dict[str, torch.Tensor]:
     """The tensor map of a data-parallel run after ``step`` steps (see the module docstring);
-    an fp16 run's loss scale (the same on every rank) goes into the run's metadata."""
-    out = {f"model/{k}": v.detach().cpu() for k, v in model.state_dict().items()}
+    an fp16 run's loss scale (the same on every rank) goes into the run's metadata.
+
+    With ``sync=`` between two synchronisations the replicas differ: rank 0's weights and
+    optimizer are the shared entries (what a resharded run continues from), and each other
+    rank keeps its own among its per-rank entries (``replica``)."""
     named = {id(p): n for n, p in model.named_parameters()}
-    out.update(optimizer_entries(opt, names_in(opt, named)))
-    out.update(_local_entries(rank, dp.compression_state_dict()))
+    out: dict[str, torch.Tensor] = {}
+    more: dict[str, Any] = {"sync": dp.sync.state_dict()}
+    if rank == 0 or dp.sync.in_sync():  # the same on every rank: written once
+        out.update({f"model/{k}": v.detach().cpu() for k, v in model.state_dict().items()})
+        out.update(optimizer_entries(opt, names_in(opt, named)))
+    else:
+        check_optimizer(opt, names_in(opt, named))
+        more["replica"] = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    out.update(_local_entries(rank, dp.compression_state_dict(), **more))
     meta: dict[str, Any] = {"step": step, "world_size": world, "kind": "data-parallel"}
     if scaler is not None:
         meta["loss_scale"] = scaler.state_dict()
@@ -172,7 +183,15 @@ def restore_dp(
     model.load_state_dict({k[len("model/") :]: got[k].to(device) for k in model_keys})
     load_optimizer(opt, names, got)
     if exact:
-        dp.load_compression_state_dict(_local_state(got, rank, device)["compression"])
+        local = _local_state(got, rank, device)
+        dp.load_compression_state_dict(local["compression"])
+        if "sync" in local:  # (written since sync= exists)
+            dp.sync.load_state_dict(local["sync"])
+        if "replica" in local:  # this rank's own weights and optimizer, between syncs
+            model.load_state_dict(local["replica"]["model"])
+            opt.load_state_dict(local["replica"]["optimizer"])
+    else:  # resharded: rank 0's replica everywhere, the strategy restarted at this step
+        dp.sync.restart_at(int(meta["step"]))
     if scaler is not None and "loss_scale" in meta:
         scaler.load_state_dict(meta["loss_scale"])
     return int(meta["step"]), exact

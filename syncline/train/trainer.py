@@ -77,9 +77,11 @@ class DataParallelRunner:
             compression=compressor,
             allreduce=allreduce,
             guard=self.guard,
+            sync=cfg.dp.sync,
         )
         self.params = [p for p in self.dp.parameters() if p.requires_grad]
         self.opt = make_optimizer(cfg, self.params, compressor)
+        self.dp.attach(self.opt)  # sync=: counts its steps, synchronises after them
         self.scaler = LossScaler(timeout_s=cfg.timeout_s) if cfg.precision == "fp16" else None
         # an error-feedback compressor sees true-scale, finite values: unscaled in the reduce
         self.in_reduce = self.scaler is not None and not compressor.stateless
@@ -152,11 +154,15 @@ class DataParallelRunner:
         if self.rank != 0:  # rank 0 records; the others need not read the statistics
             return {}
         stats = self.dp.last_stats
+        # a step whose backward averaged nothing (sync=, between synchronisations) sent only
+        # what its synchronisation did
+        sync = self.dp.sync
+        wire = (stats.wire_bytes if sync.last_reduced else 0) + sync.last_wire_bytes
         return {
-            "wire_bytes": stats.wire_bytes,
+            "wire_bytes": wire,
             "collectives": stats.collectives,
             "exposed_comm_s": stats.exposed_comm_s,
-            "progress_wire": stats.wire_bytes,
+            "progress_wire": wire,
         }
 
     def capture(self, done: int) -> dict[str, torch.Tensor]:
@@ -198,6 +204,7 @@ class DataParallelRunner:
                 "model": self.model.state_dict(),
                 "optimizer": self.opt.state_dict(),
                 "compression": dp.compression_state_dict(),
+                "sync": dp.sync.state_dict(),
                 "config": cfg.to_dict(),
                 "step": cfg.steps,
             },

@@ -35,6 +35,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from syncline import DataParallel
+from syncline.errors import ConfigError
 from syncline.dp.guard import VERDICT_FIELDS, StepGuard
 from syncline.dp.guard_config import GuardConfig
 from syncline.optim.skip import step_unless
@@ -91,6 +92,21 @@ def _loop_rank(rank: int, world: int, kind: str, bad_step: int) -> list[dict[str
     for a, b in zip(net.parameters(), twin.parameters(), strict=True):
         assert torch.equal(a, b)
     return verdicts
+
+
+def _refusal_rank(rank: int, world: int) -> str:
+    """A guard beside a periodic sync: refused before any communication, on every rank."""
+    del rank, world
+    try:
+        DataParallel(nn.Linear(4, 4), guard=StepGuard(GuardConfig("skip")), sync="localsgd:4")
+    except ConfigError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_a_guard_beside_a_periodic_sync_is_refused() -> None:
+    for message in run_ranks(_refusal_rank, 2, timeout_s=60):
+        assert "guard= with a periodic sync" in message and "sync='every-step'" in message
 
 
 @pytest.mark.parametrize("kind", ["nan", "spike"])

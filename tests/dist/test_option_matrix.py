@@ -56,6 +56,8 @@ SPLIT = ["--model", "tests.zoo.models:split_lm", "--data", "stdlib", "--model-op
 SPLIT += ["--split-points", "body"]
 #: a spec of each built-in compressor that acts within 3 steps (warm-up of 1 dense step)
 EXAMPLES = {"csc": "csc:0.05:warmup=1", "topk": "topk:0.05", "powersgd": "powersgd:2:warmup=1"}
+#: a spec of each built-in sync whose replicas are apart at the step-2 checkpoint
+SYNC_EXAMPLES = {"localsgd": "localsgd:2", "diloco": "diloco:3"}
 
 
 #: the options (config fields) each dimension sets: a refusal names those in conflict
@@ -66,6 +68,7 @@ OPTIONS = {
     "precision": ("precision",),
     "compression": ("compression",),
     "allreduce": ("allreduce", "ranks_per_node"),
+    "sync": ("sync",),
     "continuation": ("resume", "max_restarts"),
     "validation": ("eval_every", "sample_tokens"),
 }
@@ -93,6 +96,7 @@ def _parts(cell: Cell, run_dir: Path | str) -> list[tuple[str, ...]]:
         ("--precision", cell["precision"]),
         ("--compression", _spec(cell["compression"])),
         ("--allreduce", cell["allreduce"]),
+        ("--sync", SYNC_EXAMPLES.get(cell["sync"], cell["sync"])),
         shape,
     ]
     if cell["allreduce"] != "flat":  # two nodes
@@ -213,7 +217,7 @@ def test_cell_trains_and_resumes_bit_exact_or_is_refused_up_front(
     assert reference["model"].keys() == continued["model"].keys()
     for name, tensor in reference["model"].items():
         assert torch.equal(tensor, continued["model"][name]), name
-    for part in ("optimizer", "compression"):
+    for part in ("optimizer", "compression", "sync"):
         assert_exact(reference.get(part), continued.get(part), part, key_order=False)
     assert _last_loss(cont) == _last_loss(run)
 

@@ -56,7 +56,7 @@ HELP_SECTIONS = [
                       "--optimizer", "--precision", "--momentum", "--weight-decay",
                       "--warmup-steps", "--seed"]),
     ("data parallelism", ["--bucket-cap-mb", "--first-bucket-cap-mb", "--timeout",
-                          "--compression", "--allreduce", "--ranks-per-node"]),
+                          "--compression", "--allreduce", "--ranks-per-node", "--sync"]),
     ("pipeline parallelism", ["--pipeline-stages", "--microbatches", "--schedule",
                               "--recompute", "--balance", "--split-points"]),
     ("launch (passed to torchrun)", ["--nproc-per-node", "--nnodes", "--node-rank",

@@ -237,10 +237,11 @@ def test_config_json_nests_the_parts_and_a_flat_one_still_loads() -> None:
         4,
         4,
     )
-    # every setting kept, none added but the guard's, which came later (at their defaults)
+    # every setting kept, none added but those introduced since (at their defaults): the
+    # guard's and the periodic sync's
     guard = {"on_nonfinite": "off", "skip_batches": 1, "spike_factor": None}
     guard |= {"spike_window": 20, "inject_nonfinite": None}
-    assert cfg.to_flat_dict() == {**FLAT_CONFIG_JSON, **guard}
+    assert cfg.to_flat_dict() == {**FLAT_CONFIG_JSON, **guard, "sync": "every-step"}
     nested = cfg.to_dict()
     assert nested["optim"]["lr"] == 0.01 and nested["pipeline"]["pipeline_stages"] == 2
     assert nested["dp"]["compression"] == "none" and nested["checkpoint"]["keep_checkpoints"] == 2

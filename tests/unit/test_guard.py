@@ -49,6 +49,8 @@ def test_guard_config_refuses_bad_values_by_name(values: dict[str, Any], message
         ({"compression": "powersgd:2"}, "is not supported"),
         ({"precision": "fp16"}, "precision=fp16 is not supported"),
         ({"optimizer": "lamb"}, "optimizer='lamb' is not supported"),
+        ({"sync": "localsgd:4"}, "sync='localsgd:4' is not supported"),
+        ({"sync": "diloco:8"}, "sync='diloco:8' is not supported"),
         ({"pipeline_stages": 2}, "not supported with pipeline_stages=2"),
         ({"inject_nonfinite": "2:1"}, r"rank must be in \[0, 2\)"),
         ({"inject_nonfinite": "1:300"}, r"step in \[0, steps=300\)"),

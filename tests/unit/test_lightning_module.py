@@ -46,6 +46,8 @@ def test_strategy_refuses_what_dataparallel_cannot_do() -> None:
         SynclineStrategy(compression="csc")  # CSC needs its density
     with pytest.raises(ConfigError, match="ring"):
         SynclineStrategy(allreduce="ring")
+    with pytest.raises(ConfigError, match=r"sync='localsgd:4' refused.*DataParallel\(sync="):
+        SynclineStrategy(sync="localsgd:4")
     # DDPStrategy's own arguments and DataParallel's are both taken
     strategy = SynclineStrategy(
         compression="fp16",

@@ -287,3 +287,40 @@ def test_more_memory_never_removes_a_candidate(
         return {p.config for p in found if p.fits}
 
     assert fitting(memory) <= fitting(int(memory * factor))
+
+
+def test_a_periodic_sync_pays_one_weight_allreduce_per_period_and_runs_as_planned() -> None:
+    """Local SGD and DiLoCo send no gradient after their start: a step pays, exposed, 1/H of
+    one allreduce of the weights; the bytes per step are the weights' over H; DiLoCo keeps
+    two more weight-sized buffers; and the row's ``train_args`` run that configuration."""
+    from syncline.cli.main import build_parser, config_from_args
+
+    costs = _uniform(4, params=2**20)
+    compute = (1.0 + 2.0) * 4
+    bw = 4 * 2**20 / 3  # a 4 MiB bucket takes 3 s (more than its layer's backward), the
+    # 16 MiB of weights 12 s
+    cluster = _cluster(bandwidth=bw)
+    dense = predict(costs, cluster, Configuration(2, 2, bucket_cap_mb=4, first_bucket_cap_mb=4))
+    for spec, h in (("localsgd:4:start=10", 4), ("diloco:6", 6)):
+        p = predict(costs, cluster, Configuration(2, 2, sync=spec))
+        assert p.breakdown["allreduce"] == pytest.approx(12 / h)
+        assert p.step_s == pytest.approx(compute + 12 / h)
+        assert p.gradient_wire_bytes == pytest.approx(4 * 4 * 2**20 / h)
+        assert p.step_s < dense.step_s == pytest.approx(compute + 6)  # 2 of 4 buckets hidden
+    extra = predict(costs, cluster, Configuration(2, 2, sync="diloco:6")).peak_bytes
+    assert extra - predict(costs, cluster, Configuration(2, 2, sync="localsgd:6")).peak_bytes == (
+        2 * 4 * 4 * 2**20
+    )
+    assert predict(costs, cluster, Configuration(1, 2, sync="diloco:6")).breakdown[
+        "allreduce"
+    ] == 0  # fmt: skip
+    with pytest.raises(ConfigError, match="localsgd period=0 is invalid"):
+        Configuration(2, 2, sync="localsgd:0")
+    with pytest.raises(ConfigError, match="for data parallelism, not pipelines"):
+        Configuration(2, 2, stages=2, schedule="gpipe", microbatches=2, sync="diloco:4")
+    space = SearchSpace(ranks=2, batch_size=4, syncs=("every-step", "diloco:8"), pipelines=False)
+    rows = to_json(search(space, costs, cluster), cluster, ["--model=gpt", "--n-layer=4"])
+    periodic = [r for r in rows["candidates"] if r["sync"] == "diloco:8"]
+    assert [r["label"] for r in periodic] == ["dp none sync diloco:8"]
+    argv = ["train", *periodic[0]["model_args"], *periodic[0]["train_args"]]
+    assert config_from_args(build_parser().parse_args(argv)).dp.sync == "diloco:8"
