@@ -165,7 +165,7 @@ def test_validation_sets_each_published_number_beside_its_prediction(
     assert "published number" in capsys.readouterr().out
     doc = json.loads(out.read_text())
     checks = doc["validation"]
-    assert len(checks) == 2 * (len(GPT_RUNS) + 2) + 2  # two rules, then GradientFlow
+    assert len(checks) == 4 * (len(GPT_RUNS) + 2) + 2  # two rules, two cost models; GF
     for check in checks:
         assert {"quantity", "paper", "predicted", "error", "met"} <= set(check)
     assert doc["assumptions"]["max_microbatches"] == 8
