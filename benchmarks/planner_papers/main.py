@@ -6,19 +6,24 @@ written down as a :class:`~syncline.planner.Cluster`, its model as
 measured. Nothing in syncline is tuned to match; where the prediction disagrees with the paper
 the table says so.
 
-- PipeDream-2BW (Narayanan et al., ICML 2021, section 5): GPT models on 8 and 64 V100-16GB.
-  The planner searches depth ``d``, width ``w``, micro-batches and recomputation for GPipe,
-  1F1B-with-flush (PipeDream-Flush) and 2BW; reported: its pick, and the speedup of 2BW over
-  the best configuration of each flush schedule.
+- PipeDream-2BW (Narayanan et al., ICML 2021, section 5): GPT models on 8 and 64 V100-16GB,
+  at the two batch sizes of each setting. The planner searches depth ``d``, width ``w``,
+  micro-batches and recomputation for GPipe, 1F1B-with-flush (PipeDream-Flush) and 2BW, on
+  a V100 roofline (:data:`V100`); reported: its 2BW pick, and 2BW over GPipe and Flush at
+  corresponding configurations (the same depth and width) and over data parallelism, by
+  two rules (each schedule's fastest, and the paper's: recomputation with the largest
+  micro-batch that fits), and again on the paper's planner's per-block cost model.
 - GradientFlow (Sun et al. 2019, sections 3-4): AlexNet data parallelism on 8..512 V100s over
   56 Gbit/s: an allreduce per layer, lazy allreduce (fused buckets), lazy allreduce plus CSC.
 
 [Note: published, derived, assumed] ``PAPER_2BW`` and ``PAPER_GRADIENTFLOW`` hold only what the
-papers print (the 2BW depths are read from its throughput figures' captions, as recalled for
-this benchmark, not re-checked against the PDF). A *derived* figure is arithmetic on
-published ones (GradientFlow's images/s). Everything else (FLOP/s, link latencies, model
-shapes where the paper gives only a parameter count, batch sizes) is an assumption, named
-in the docstring of the function that makes it, and saved with the results.
+papers print (the 2BW depths from section 5's text; its batch sizes and the speedups over
+Flush as recalled for this benchmark from its figures and text, not re-checked against the
+PDF). :func:`validation` sets each beside the prediction, in one table. A *derived* figure is arithmetic on
+published ones (GradientFlow's images/s). Everything else (link latencies, model
+shapes where the paper gives only a parameter count, the search's cap) is an assumption,
+named in the docstring of the function that makes it and in ``ASSUMPTIONS``, and saved with
+the results; the device's constants carry their sources in ``V100.source``.
 
 [Note: a NIC per node] Both papers' servers share one network port among 8 GPUs, which is
 the planner's default (``Cluster.inter_ports_per_node = 1``): a flat ring has one edge
