@@ -19,9 +19,9 @@ the table says so.
 [Note: published, derived, assumed] ``PAPER_2BW`` and ``PAPER_GRADIENTFLOW`` hold only what the
 papers print (the 2BW depths from section 5's text; its batch sizes and the speedups over
 Flush as recalled for this benchmark from its figures and text, not re-checked against the
-PDF). :func:`validation` sets each beside the prediction, in one table. A *derived* figure is arithmetic on
-published ones (GradientFlow's images/s). Everything else (link latencies, model
-shapes where the paper gives only a parameter count, the search's cap) is an assumption,
+PDF). :func:`validation` sets each beside the prediction, in one table. A *derived* figure
+is arithmetic on published ones (GradientFlow's images/s). Everything else (link latencies,
+model shapes where the paper gives only a parameter count, the search's cap) is an assumption,
 named in the docstring of the function that makes it and in ``ASSUMPTIONS``, and saved with
 the results; the device's constants carry their sources in ``V100.source``.
 
