@@ -133,3 +133,22 @@ def test_without_a_tie_throughput_alone_decides() -> None:
     unbounded = SearchSpace(ranks=2, batch_size=256, max_microbatches=None, data_parallel=False)
     ms = {p.config.microbatches for p in search(unbounded, costs, _cluster())}
     assert max(ms) == 256
+
+
+def test_plan_with_a_device_cluster_prices_the_gpt_on_its_roofline(tmp_path) -> None:
+    from syncline.cli.main import build_parser, config_from_args
+    from syncline.cli.plan import plan
+
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(_cluster(workspace="64MiB").to_dict()))
+    ns = build_parser().parse_args(
+        ["plan", "--n-layer=2", "--n-embd=64", "--n-head=4", "--seq-len=32"]
+        + ["--batch-size=8", f"--cluster={path}", "--ranks=2", "--top=3"]
+    )
+    document, text = plan(config_from_args(ns, planning=True), ns)
+    assert "toy" not in text and "2 ranks of test" in text
+    assert document["cluster"]["device"]["kind"] == "toy"
+    best = document["candidates"][0]
+    assert best["predicted_peak_bytes"] >= 64 * 2**20  # the cluster's workspace
+    # every layer pays its kernels' fixed cost: a step is at least the blocks' kernels
+    assert best["predicted_step_s"] >= 2 * sum(BLOCK_KERNELS) * 5e-6
