@@ -141,10 +141,8 @@ def test_plan_with_a_device_cluster_prices_the_gpt_on_its_roofline(tmp_path) -> 
 
     path = tmp_path / "cluster.json"
     path.write_text(json.dumps(_cluster(workspace="64MiB").to_dict()))
-    ns = build_parser().parse_args(
-        ["plan", "--n-layer=2", "--n-embd=64", "--n-head=4", "--seq-len=32"]
-        + ["--batch-size=8", f"--cluster={path}", "--ranks=2", "--top=3"]
-    )
+    model = ["--n-layer=2", "--n-embd=64", "--n-head=4", "--seq-len=32", "--batch-size=8"]
+    ns = build_parser().parse_args(["plan", *model, f"--cluster={path}", "--ranks=2", "--top=3"])
     document, text = plan(config_from_args(ns, planning=True), ns)
     assert "toy" not in text and "2 ranks of test" in text
     assert document["cluster"]["device"]["kind"] == "toy"
