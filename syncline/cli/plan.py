@@ -155,7 +155,7 @@ def _costs_for(cfg: TrainConfig, ns: argparse.Namespace, cluster: Any, profile: 
         except ConfigError:
             if ns.costs:
                 raise
-    if cfg.model == "gpt" and cluster.flops_per_s:
+    if cfg.model == "gpt" and (cluster.flops_per_s or cluster.device is not None):
         c = cfg.model_config()
         return transformer_costs(
             n_layer=c.n_layer,
@@ -164,13 +164,14 @@ def _costs_for(cfg: TrainConfig, ns: argparse.Namespace, cluster: Any, profile: 
             seq_len=c.block_size,
             vocab_size=c.vocab_size,
             flops_per_s=cluster.flops_per_s,
+            device=cluster.device,
             activation_bytes_per_value=4,
             param_bytes=4,
             name="gpt",
         )
     raise ConfigError(
         "no model costs: give --profile (measure them here), --costs FILE, or a --cluster "
-        "with flops_per_s for the gpt model's shape"
+        "with flops_per_s or a device for the gpt model's shape"
     )
 
 

@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 from syncline.planner.costs import Affine, LayerCost, ModelCosts, transformer_costs
+from syncline.planner.device import Device
 from syncline.planner.hardware import Cluster, Link, parse_bandwidth, parse_size
 from syncline.planner.predict import Configuration, Prediction, predict
 from syncline.planner.search import SearchSpace, candidates, search, table, to_json
@@ -23,6 +24,7 @@ __all__ = [
     "Affine",
     "Cluster",
     "Configuration",
+    "Device",
     "LayerCost",
     "Link",
     "ModelCosts",

@@ -11,6 +11,11 @@ JSON form (sizes and rates as numbers or strings with units)::
      "intra": {"bandwidth": "1200gbit", "latency_s": 5e-6},
      "inter": {"bandwidth": "25gbit", "latency_s": 2e-5},
      "flops_per_s": 1.0e14}
+
+or, instead of ``flops_per_s``, a ``"device"`` (:class:`~syncline.planner.device.Device`: peak
+FLOP/s, memory bandwidth and the efficiency curve of its kernels, with their sources), and
+``"base_memory"`` / ``"workspace"``: what a rank holds before the model, and what a step
+holds beyond the model's state and stashed activations.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 
 from syncline.errors import ConfigError
 from syncline.fields import check_float, check_int
+from syncline.planner.device import Device
 
 __all__ = ["Cluster", "Link", "parse_bandwidth", "parse_size"]
 
@@ -158,6 +164,12 @@ class Cluster:
     """Network ports a node has at the ``inter`` bandwidth. Ranks of one node that cross
     nodes at once share them (a hierarchical allreduce's per-rank rings, a stage's
     replicas sending to the next stage); a flat ring crosses each node boundary once."""
+    device: Device | None = None
+    """The accelerator kind, for model costs computed from a model's shape on a roofline
+    (:mod:`syncline.planner.device`); a profiled cluster leaves it out."""
+    workspace: int = 0
+    """Bytes a training step holds on every rank beyond the model state and the stash (the
+    libraries' workspaces, the allocator's slack); a profile measures its own per model."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -176,6 +188,12 @@ class Cluster:
             _check_nonnegative("flops_per_s", self.flops_per_s)
         base = 0 if self.base_memory == 0 else parse_size(self.base_memory, "base_memory")
         object.__setattr__(self, "base_memory", base)
+        work = 0 if self.workspace == 0 else parse_size(self.workspace, "workspace")
+        object.__setattr__(self, "workspace", work)
+        if isinstance(self.device, Mapping):
+            object.__setattr__(self, "device", Device.from_dict(self.device))
+        elif self.device is not None and not isinstance(self.device, Device):
+            raise ConfigError(f"cluster device={self.device!r} is not a device description")
         for name in (
             "step_overhead_s",
             "microbatch_overhead_s",

@@ -193,12 +193,14 @@ def _transient(name: str) -> float:
 
 
 def _state_bytes(params: int, costs: ModelCosts, config: Configuration, versions: int) -> float:
-    """Weights (times versions), gradients, optimizer state and compressor state."""
+    """Weights (times versions), gradients, mixed precision's master copy (one: 2BW's
+    second version is of the 16-bit weights the stages compute with), optimizer state
+    and compressor state."""
     per = costs.param_bytes
     compressor = compressor_name(config.compression) if config.width > 1 else "none"
     states = _optimizer_states(config) + _compressor_states(compressor)
     states += parse_sync(config.sync)[0].state_buffers  # DiLoCo: outer weights, momentum
-    return params * (per * versions + per + 4 * states)
+    return params * (per * versions + per + costs.master_bytes + 4 * states)
 
 
 def _finish(
@@ -209,13 +211,16 @@ def _finish(
     per_rank: Sequence[float],
     breakdown: dict[str, float],
     wire: float = 0.0,
+    head_bound: bool = False,
 ) -> Prediction:
-    workspace = costs.workspace.at(config.microbatch_size)
+    workspace = costs.workspace.at(config.microbatch_size) + cluster.workspace
     per_rank_bytes = tuple(int(cluster.base_memory + workspace + b) for b in per_rank)
     peak = max(per_rank_bytes)
     fits = peak <= cluster.memory_per_rank
     parts = {k: v for k, v in breakdown.items() if k != "overhead"}
     bottleneck = "memory" if not fits else max(parts, key=lambda k: parts[k])
+    if bottleneck in ("compute", "bubble") and head_bound:
+        bottleneck = "head"
     return Prediction(
         config=config,
         step_s=step_s,
@@ -529,7 +534,11 @@ def predict_pipeline(costs: ModelCosts, cluster: Cluster, config: Configuration)
             for s in range(n)
         )
     step_s = span + cluster.step_overhead_s
-    return _finish(config, costs, cluster, step_s, per_rank, breakdown, wire)
+    work = [f + bwd for f, bwd in zip(st.forward, st.backward, strict=True)]
+    # the stage holding the head is the slowest by more than a tie: the head is what binds
+    others = max(work[:-1], default=0.0)
+    head_bound = costs.layers[-1].name == "head" and work[-1] > others * 1.01
+    return _finish(config, costs, cluster, step_s, per_rank, breakdown, wire, head_bound)
 
 
 def predict(costs: ModelCosts, cluster: Cluster, config: Configuration) -> Prediction:

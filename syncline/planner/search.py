@@ -10,8 +10,10 @@ Ranking: predicted step time, with two rules a user would apply by hand. A lossy
 (everything but ``none``, ``fp16`` and ``bf16``) or a periodic sync (local SGD, DiLoCo)
 changes what is optimised, so it ranks
 above an exact configuration only when it is predicted at least ``LOSSY_MARGIN`` faster;
-and times within ``TIE`` of each other are a tie (the model is not that precise), broken
-by less memory.
+and times within ``SearchSpace.tie`` of each other are a tie, broken by less memory. The
+tie is the measurement error of the costs (``TIE``, 0.5 %, for profiled costs, whose layer
+times are medians of a few noisy runs); costs computed from a shape and a datasheet carry
+no measurement noise, so a search over them may set ``tie=0``: throughput alone decides.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 from syncline.dp.registry import COMPRESSORS, compressor_name
 from syncline.dp.syncs import DEFAULT_SYNC, parse_sync
 from syncline.errors import ConfigError
-from syncline.fields import check_int
+from syncline.fields import check_float, check_int
 from syncline.optim.registry import OPTIMIZERS
 from syncline.planner.costs import ModelCosts
 from syncline.planner.hardware import Cluster
@@ -54,7 +56,12 @@ class SearchSpace:
     compressions: tuple[str, ...] = field(default_factory=default_compressions)
     """Compressors for data parallelism (and pipelines with replicas)."""
     schedules: tuple[str, ...] = ("gpipe", "1f1b", "2bw", "interleaved")
-    max_microbatches: int = 64
+    max_microbatches: int | None = 64
+    """The most micro-batches per batch searched (``None``: every divisor of the batch);
+    each one's schedule is simulated, so a cap keeps a large batch's search short."""
+    tie: float = TIE
+    """Relative step-time difference within which two fitting configurations tie and the
+    one with less memory wins: the measurement error of the costs."""
     pipelines: bool = True
     data_parallel: bool = True
     optimizer: str = "adamw"
@@ -64,10 +71,13 @@ class SearchSpace:
     is searched uncompressed (after its start no gradient is sent)."""
 
     def __post_init__(self) -> None:
-        for name in ("ranks", "batch_size", "max_microbatches"):
+        for name in ("ranks", "batch_size"):
             check_int(name, getattr(self, name))
         for spec in self.syncs:
             parse_sync(spec)
+        if self.max_microbatches is not None:
+            check_int("max_microbatches", self.max_microbatches)
+        check_float("tie", self.tie, at_least=0, below=1)
         for name in self.schedules:
             SCHEDULES.get(name)
         if OPTIMIZERS.get(self.optimizer).adaptive:  # a compressor's momentum: twice
@@ -116,7 +126,7 @@ def candidates(space: SearchSpace, costs: ModelCosts, cluster: Cluster) -> Itera
             if d * spec.stages_per_rank > costs.num_layers:
                 continue
             for m in _divisors(batch // w):
-                if m > space.max_microbatches:
+                if space.max_microbatches is not None and m > space.max_microbatches:
                     break
                 try:
                     check_microbatches(name, d, m, m_name="m", d_name="d")
@@ -149,13 +159,14 @@ def search(space: SearchSpace, costs: ModelCosts, cluster: Cluster) -> list[Pred
             f"no configuration of {space.ranks} ranks takes batch_size={space.batch_size}; "
             f"use a multiple of {space.ranks}"
         )
-    return sorted(found, key=_rank_key)
+    return sorted(found, key=lambda p: _rank_key(p, space.tie))
 
 
-def _rank_key(p: Prediction) -> tuple[bool, int, int, float]:
+def _rank_key(p: Prediction, tie: float = TIE) -> tuple[bool, float, int, float]:
     lossy = p.config.compression.split(":")[0] not in EXACT_COMPRESSIONS or p.config.periodic
     time = p.step_s * (1 + LOSSY_MARGIN if lossy else 1)
-    return (not p.fits, round(math.log(max(time, 1e-12)) / math.log1p(TIE)), p.peak_bytes, time)
+    bucket = round(math.log(max(time, 1e-12)) / math.log1p(tie)) if tie > 0 else time
+    return (not p.fits, bucket, p.peak_bytes, time)
 
 
 def to_json(predictions: Sequence[Prediction], cluster: Cluster, model_args: Sequence[str]) -> dict:

@@ -155,3 +155,34 @@ def test_main_prints_and_writes_the_comparison(
     assert [(r["model"], r["ranks"]) for r in rows] == [(r.model, r.ranks) for r in GPT_RUNS]
     assert all(math.isfinite(r["pick"]["samples_per_s"]) for r in rows)
     assert {r["ranks"] for r in doc["gradientflow"]["rows"]} == {8, 512}
+
+
+def test_validation_sets_each_published_number_beside_its_prediction(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "planner_papers.json"
+    assert main(["--max-microbatches=8", "--gf-ranks=8,512", f"--out={out}"]) == 0
+    assert "published number" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    checks = doc["validation"]
+    assert len(checks) == 4 * (len(GPT_RUNS) + 2) + 2  # two rules, two cost models; GF
+    for check in checks:
+        assert {"quantity", "paper", "predicted", "error", "met"} <= set(check)
+    assert doc["assumptions"]["max_microbatches"] == 8
+    assert doc["pipedream_2bw"]["cluster"]["device"]["source"]
+    rows = doc["pipedream_2bw"]["rows"]
+    # at most 8 micro-batches: those of the larger batches (256 on 8 GPUs, 2048 on 64) are
+    # too large to fit anywhere; the smaller batches fit
+    assert {r["batch_size"] for r in rows if r["pick_2bw"] is None} <= {256, 2048}
+    assert all(r["pick_2bw"] for r in rows if r["batch_size"] in (64, 512))
+    for row in rows:
+        two = row["pick_2bw"]
+        if two is None:
+            continue
+        assert two["fits"]
+        at = row["corresponding_at_pick"]
+        for summary in at["best"].values():  # corresponding: the same depth and width
+            assert (summary["depth"], summary["width"]) == (two["depth"], two["width"])
+        assert at["2bw_over_gpipe"] >= 1.0 and at["2bw_over_flush"] >= 1.0
+        paper = row["corresponding_at_paper_depth"]
+        assert all(s["depth"] == row["paper_depth"] for s in paper["best"].values())
