@@ -176,6 +176,8 @@ COMPRESSORS.register(
             "chunk": ("chunk_elems", int, "C"),
             "momentum": ("momentum", float, "M"),
             "ramp": ("ramp", str, "dense|exp"),
+            "clip": ("clip", float, "X"),
+            "bound": ("bound", float, "B"),
         },
         owns_momentum=True,
         traffic=f"{_T}:csc",

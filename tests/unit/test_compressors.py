@@ -581,7 +581,7 @@ SPECS = [
     ("none", NoCompression, {}),
     ("fp16", FP16, {"name": "fp16"}),
     ("BF16", BF16, {"name": "bf16"}),
-    ("csc:0.01", CSC, {"density": 0.01, "warmup_steps": 0, "chunk_elems": 32768}),
+    ("csc:0.01:chunk=32768", CSC, {"density": 0.01, "warmup_steps": 0, "chunk_elems": 32768}),
     ("csc:0.01:warmup=50", CSC, {"density": 0.01, "warmup_steps": 50}),
     ("csc:0.05:chunk=1024:momentum=0.5", CSC, {"chunk_elems": 1024, "momentum": 0.5}),
     ("csc:0.01:warmup=50:ramp=exp", CSC, {"warmup_steps": 50, "ramp": "exp"}),
