@@ -26,9 +26,11 @@ share of the bucket, so every bucket sends at least one chunk every step; 1024 a
 GPTs here). Why: with a fixed ``C = 32768`` (the default before), a chunk spanned many small
 layers (biases, norms) besides a slice of a weight; at 1 % it was chosen about once in 100
 steps and then applied all the velocity it had accumulated meanwhile, up to ~100 steps of
-momentum, in one step: on a 4 x 128 GPT at lr 0.1 the applied update of such a chunk reached
-tens of times a dense step's, and the loss climbed to NaN (``benchmarks/convergence_long``,
-``burst.py`` measures it).
+momentum, in one step: on a 4 x 128 GPT at lr 0.1 the first such chunk (10 steps old)
+applied an update of norm 148, where the whole model's dense gradient has a norm below 1,
+and the loss climbed to NaN (``python -m benchmarks.convergence_long.burst`` measures it).
+Smaller chunks alone do not cure that (what arrives late is the problem, not only how
+coarse it is); clipping, the residual bound and DGC's warm-up below do.
 
 **Local gradient clipping** (DGC, Lin et al. 2018, section 3.2; ``clip``): each rank clips
 each tensor's gradient to ``clip / sqrt(p)`` *before* it enters ``u`` and ``v``, so that an
@@ -122,6 +124,8 @@ class CSC:
             each parameter's gradient (each tensor of the bucket's layout; the whole bucket
             without one) down to an L2 norm of at most ``clip / sqrt(world size)``, as
             ``torch.nn.utils.clip_grad_norm_`` would; ``0`` (the default) clips nothing.
+            A gradient the engine reduced losslessly (:meth:`absorb`) enters unclipped,
+            as it was applied.
         bound: a bound on the residual: after the accumulation, each tensor's ``v`` is
             scaled down to an L2 norm of at most ``bound`` times that of its momentum ``u``
             (at most ``bound`` steps of its current velocity wait to be sent); ``0`` (the
