@@ -62,7 +62,7 @@ class CompressorSpec:
 
     @property
     def form(self) -> str:
-        """The spec's grammar, e.g. ``topk:RATIO`` or ``powersgd:RANK[:warmup=N]``."""
+        """The spec's grammar, e.g. ``topk:RATIO`` or ``powersgd:RANK[:warmup=N][:seed=S]``."""
         text = self.name + (f":{self.argument[2]}" if self.argument else "")
         return text + "".join(f"[:{key}={meta}]" for key, (_, _, meta) in self.options.items())
 
@@ -198,6 +198,8 @@ COMPRESSORS.register(
             "chunk": ("chunk_elems", int, "C"),
             "momentum": ("momentum", float, "M"),
             "ramp": ("ramp", str, "dense|exp"),
+            "clip": ("clip", float, "X"),
+            "bound": ("bound", float, "B"),
         },
         owns_momentum=True,
         traffic=f"{_T}:csc",
@@ -224,7 +226,7 @@ COMPRESSORS.register(
         "low-rank PowerSGD, e.g. powersgd:4",
         f"{_C}.powersgd:PowerSGD",
         argument=("rank", int, "RANK"),
-        options={"warmup": ("warmup_steps", int, "N")},
+        options={"warmup": ("warmup_steps", int, "N"), "seed": ("seed", int, "S")},
         traffic=f"{_T}:powersgd",
         state_buffers=1,
         transient_bytes=2,

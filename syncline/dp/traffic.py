@@ -15,13 +15,15 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from syncline.dp.chunk_size import MAX_CHUNK, derive_chunk_elems
+
 __all__ = ["Traffic", "csc", "dense", "diloco", "halfwidth", "localsgd", "powersgd", "topk"]
 
 #: one bucket's collectives: (``"allreduce"`` | ``"allgather"``, bytes per rank)
 Traffic = list[tuple[str, float]]
 
-#: CSC's default chunk (``csc.CSC``'s ``chunk_elems``)
-CSC_CHUNK = 32768
+#: CSC's largest chunk, the fixed default before chunks were derived per bucket
+CSC_CHUNK = MAX_CHUNK
 
 
 def dense(numel: int, matrices: Sequence[tuple[int, int]], value_bytes: int, **_: Any) -> Traffic:
@@ -42,11 +44,14 @@ def csc(
     value_bytes: int,
     *,
     density: float,
-    chunk_elems: int = CSC_CHUNK,
+    chunk_elems: int | None = None,
     **_: Any,
 ) -> Traffic:
     """A score per chunk (fp32, one more for the step's flag), then the chosen chunks in
-    fp16; on the average step ``density`` of the chunks (the fraction is carried)."""
+    fp16; on the average step ``density`` of the chunks (the fraction is carried). Chunks
+    of ``chunk_elems``, or (``None``) the size CSC derives for the bucket."""
+    if chunk_elems is None:
+        chunk_elems = derive_chunk_elems(numel, density)
     chunks = -(-numel // chunk_elems)
     if density >= 1.0:
         return [("allreduce", 4), ("allreduce", 2 * numel)]

@@ -581,14 +581,17 @@ SPECS = [
     ("none", NoCompression, {}),
     ("fp16", FP16, {"name": "fp16"}),
     ("BF16", BF16, {"name": "bf16"}),
-    ("csc:0.01", CSC, {"density": 0.01, "warmup_steps": 0, "chunk_elems": 32768}),
+    ("csc:0.01:chunk=32768", CSC, {"density": 0.01, "warmup_steps": 0, "chunk_elems": 32768}),
     ("csc:0.01:warmup=50", CSC, {"density": 0.01, "warmup_steps": 50}),
     ("csc:0.05:chunk=1024:momentum=0.5", CSC, {"chunk_elems": 1024, "momentum": 0.5}),
     ("csc:0.01:warmup=50:ramp=exp", CSC, {"warmup_steps": 50, "ramp": "exp"}),
     ("csc:0.01", CSC, {"ramp": "dense"}),
+    ("csc:0.01", CSC, {"chunk_elems": None, "clip": 0.0, "bound": 0.0}),
+    ("csc:0.01:clip=0.1:bound=2", CSC, {"clip": 0.1, "bound": 2.0}),
     ("topk:0.01", TopK, {"ratio": 0.01, "name": "topk"}),
     ("powersgd:4", PowerSGD, {"rank": 4, "warmup_steps": 0, "name": "powersgd"}),
     ("powersgd:2:warmup=10", PowerSGD, {"rank": 2, "warmup_steps": 10}),
+    ("powersgd:1:warmup=2:seed=3", PowerSGD, {"rank": 1, "warmup_steps": 2, "seed": 3}),
 ]
 
 

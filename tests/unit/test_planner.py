@@ -109,7 +109,7 @@ def test_bucket_traffic_is_each_compressors_documented_formula() -> None:
     assert [p.nbytes for p in bucket_phases("fp16", n)] == [2 * n]
     chunks = math.ceil(n / 32768)
     # scores and the bound, then density x the chunks on average (the fraction carried on)
-    phases = [p.nbytes for p in bucket_phases("csc:0.01", n)]
+    phases = [p.nbytes for p in bucket_phases("csc:0.01:chunk=32768", n)]
     assert phases == [4 * (chunks + 1), pytest.approx(2 * 0.01 * chunks * 32768)]
     topk = bucket_phases("topk:0.01", n)
     assert [(p.kind, p.nbytes) for p in topk] == [("allgather", 4e4), ("allgather", 4e4)]

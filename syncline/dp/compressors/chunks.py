@@ -11,6 +11,9 @@ import math
 
 import torch
 
+# CSC's chunk-size rule lives in a pure module (the planner prices traffic with it)
+from syncline.dp.chunk_size import derive_chunk_elems as derive_chunk_elems
+
 
 def num_chunks(numel: int, chunk_elems: int) -> int:
     """How many chunks of ``chunk_elems`` cover ``numel`` elements (the last may be short)."""

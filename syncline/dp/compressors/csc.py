@@ -7,6 +7,7 @@ picks whole chunks that *all ranks agree on*, so the payload stays a dense allre
 
 Per bucket and step, on every rank (``g`` = local gradient, ``m`` = momentum)::
 
+    g_i = g_i * min(1, clip/sqrt(p) / ||g_i||)     local clipping per tensor i (if clip > 0)
     u = m*u + g ;  v = v + u                       momentum correction (local)
     k = floor(c + density*N/C) ; c = c + ... - k   this bucket's chunks, c carried on
     s_j = ||v_j||_1 for each chunk j of C elems    score (a short last chunk scaled to C)
@@ -17,6 +18,23 @@ Per bucket and step, on every rank (``g`` = local gradient, ``m`` = momentum)::
     grad = 0 ; grad[J] = a * allreduce_sum(x)      collective 2: packed chunks
     u[J] = 0 ; v[J] = v[J] - p*a * x               masking; the rest (and what rounding to
                                                    w lost) is error feedback
+
+**Chunks sized to the bucket.** By default ``C`` is derived per bucket from its size and the
+density (:func:`~syncline.dp.chunk_size.derive_chunk_elems`: the smallest power of two whose
+score costs at most a quarter of its payload, ``C >= 8 / density``, but at most one step's
+share of the bucket, so every bucket sends at least one chunk every step; 1024 at 1 % on the
+GPTs here). Why: with a fixed ``C = 32768`` (the default before), a chunk spanned many small
+layers (biases, norms) besides a slice of a weight; at 1 % it was chosen about once in 100
+steps and then applied all the velocity it had accumulated meanwhile, up to ~100 steps of
+momentum, in one step: on a 4 x 128 GPT at lr 0.1 the first such chunk (10 steps old)
+applied an update of norm 148, where the whole model's dense gradient has a norm below 1,
+and the loss climbed to NaN (``python -m benchmarks.convergence_long.burst`` measures it).
+Smaller chunks alone do not cure that (what arrives late is the problem, not only how
+coarse it is); clipping, the residual bound and DGC's warm-up below do.
+
+**Local gradient clipping** (DGC, Lin et al. 2018, section 3.2; ``clip``): each rank clips
+each tensor's gradient to ``clip / sqrt(p)`` *before* it enters ``u`` and ``v``, so that an
+outlier gradient does not sit in the residual and come back at every later step until sent.
 
 **The density holds over the whole gradient.** Each bucket owns ``density * N/C`` chunks a
 step and carries the fraction it cannot send, so a bucket of 8 chunks at 1 % sends one chunk
@@ -92,13 +110,26 @@ class CSC:
     Args:
         density: fraction of chunks sent per step, ``0 < density <= 1`` (GradientFlow uses
             1 %, 5 %, 10 %).
-        chunk_elems: chunk size ``C`` in elements, ``>= 1`` (default 32768).
+        chunk_elems: chunk size ``C`` in elements, ``>= 1``; ``None`` (the default): derived per
+            bucket from its size and the density (:func:`~.chunks.derive_chunk_elems`: 1024
+            for the buckets of a GPT at 1 %), so that every bucket sends at least one chunk
+            every step and the scores cost at most a quarter of the payload.
         warmup_steps: steps with ``BucketRef.step < warmup_steps`` are sent dense; the
             engine's step 0 is always dense, so ``warmup_steps=W`` means ``max(W, 1)`` dense
             steps in a DataParallel run.
         ramp: ``"dense"`` (default): the warm-up steps send everything; ``"exp"``: their
             density falls from 1 to ``density`` as ``density ** (step / warmup_steps)``.
         momentum: local momentum ``m``, ``0 <= m < 1``; set the optimizer's momentum to 0.
+        clip: DGC's local gradient clipping: before it enters the momentum, each rank scales
+            each parameter's gradient (each tensor of the bucket's layout; the whole bucket
+            without one) down to an L2 norm of at most ``clip / sqrt(world size)``, as
+            ``torch.nn.utils.clip_grad_norm_`` would; ``0`` (the default) clips nothing.
+            A gradient the engine reduced losslessly (:meth:`absorb`) enters unclipped,
+            as it was applied.
+        bound: a bound on the residual: after the accumulation, each tensor's ``v`` is
+            scaled down to an L2 norm of at most ``bound`` times that of its momentum ``u``
+            (at most ``bound`` steps of its current velocity wait to be sent); ``0`` (the
+            default) bounds nothing.
         wire_dtype: payload dtype: ``torch.float16`` (default), ``torch.bfloat16`` or
             ``torch.float32``. Scores always travel in fp32.
 
@@ -122,14 +153,22 @@ class CSC:
     def __init__(
         self,
         density: float,
-        chunk_elems: int = 32768,
+        chunk_elems: int | None = None,
         warmup_steps: int = 0,
         momentum: float = 0.9,
         wire_dtype: torch.dtype = torch.float16,
         ramp: str = "dense",
+        clip: float = 0.0,
+        bound: float = 0.0,
     ) -> None:
         check_float("CSC: density", density, above=0, at_most=1)
-        self.chunk_elems = check_int("CSC: chunk_elems", chunk_elems)
+        self.chunk_elems = (
+            None if chunk_elems is None else check_int("CSC: chunk_elems", chunk_elems)
+        )
+        check_float("CSC: clip", clip, at_least=0)
+        self.clip = float(clip)
+        check_float("CSC: bound", bound, at_least=0)
+        self.bound = float(bound)
         self.warmup_steps = check_int("CSC: warmup_steps", warmup_steps, low=0)
         check_float("CSC: momentum", momentum, at_least=0, below=1)
         if wire_dtype not in _WIRE_DTYPES:
@@ -144,6 +183,7 @@ class CSC:
         self.momentum = float(momentum)
         self.wire_dtype = wire_dtype
         self.last_selection: dict[int, torch.Tensor] = {}
+        self._chunks: dict[int, int] = {}  # bucket numel -> derived chunk size
         self._buckets: dict[int, dict[str, torch.Tensor]] = {}
         self._order = PhaseOrder()
 
@@ -151,7 +191,8 @@ class CSC:
         return (
             f"CSC(density={self.density}, chunk_elems={self.chunk_elems}, "
             f"warmup_steps={self.warmup_steps}, momentum={self.momentum}, "
-            f"wire_dtype={self.wire_dtype}, ramp={self.ramp!r})"
+            f"wire_dtype={self.wire_dtype}, ramp={self.ramp!r}, clip={self.clip}, "
+            f"bound={self.bound})"
         )
 
     def density_at(self, step: int) -> float:
@@ -162,6 +203,46 @@ class CSC:
         if self.ramp == "dense":
             return 1.0
         return float(self.density ** (step / self.warmup_steps))
+
+    def chunk_size(self, numel: int) -> int:
+        """The chunk size ``C`` of a bucket of ``numel`` elements: ``chunk_elems``, or when
+        that is ``None`` the one :func:`~.chunks.derive_chunk_elems` derives (a pure function of the
+        numel and the density: the same on every rank, and across a checkpoint)."""
+        if self.chunk_elems:
+            return self.chunk_elems
+        size = self._chunks.get(numel)
+        if size is None:
+            size = self._chunks[numel] = ch.derive_chunk_elems(numel, self.density)
+        return size
+
+    def _clip(self, bucket: BucketRef, grad: torch.Tensor, world: int) -> None:
+        """DGC's local gradient clipping (Lin et al. 2018, section 3.2), in place: each
+        parameter's gradient in the bucket, on this rank, scaled to an L2 norm of at most
+        ``clip / sqrt(world)``, with ``torch.nn.utils.clip_grad_norm_``'s arithmetic
+        (``min(1, limit / (norm + 1e-6))``) per tensor. Why ``sqrt(world)``: the ranks' noise
+        adds up in the sum, so local gradients clipped there sum to about ``clip``. Why
+        before the accumulation: a single outlier gradient would otherwise stay in the
+        residual and the momentum, and come back in every later step until it is sent.
+        On the device, no host read: the norms are one ``_foreach_norm``."""
+        limit = self.clip / math.sqrt(world)
+        views = [grad[o : o + math.prod(shape)] for o, shape in bucket.layout] or [grad]
+        norms = torch.stack(torch._foreach_norm(views))
+        scales = (limit / (norms + 1e-6)).clamp_(max=1.0)
+        torch._foreach_mul_(views, list(scales.unbind(0)))
+
+    def _bound(self, bucket: BucketRef, u: torch.Tensor, v: torch.Tensor) -> None:
+        """The residual bound, in place: each tensor's ``v`` scaled to an L2 norm of at most
+        ``bound * ||u||`` (its momentum's). Why: at a density of 1 % a coordinate waits
+        about 100 steps for its turn, and meanwhile ``v`` sums the velocity computed at
+        parameters that no longer move; sent at once, that sum overshoots (the loss of a
+        4 x 128 GPT at lr 0.1 climbed to NaN). The bound keeps the freshest ``bound`` steps'
+        worth and drops the rest. On the device, no host read."""
+        spans = [(o, math.prod(shape)) for o, shape in bucket.layout] or [(0, v.numel())]
+        vs = [v[o : o + n] for o, n in spans]
+        v_norm = torch.stack(torch._foreach_norm(vs))
+        u_norm = torch.stack(torch._foreach_norm([u[o : o + n] for o, n in spans]))
+        scales = (self.bound * u_norm / (v_norm + 1e-12)).clamp_(max=1.0)
+        torch._foreach_mul_(vs, list(scales.unbind(0)))
 
     def _state(self, index: int, grad: torch.Tensor) -> dict[str, torch.Tensor]:
         state = self._buckets.get(index)
@@ -208,8 +289,13 @@ class CSC:
         return k
 
     def reduce(self, bucket: BucketRef, grad: torch.Tensor, comm: Collective) -> Pending:
+        if self.clip:
+            self._clip(bucket, grad, comm.world_size)
         u, v = self._accumulate(bucket.index, grad)
-        n_chunks = ch.num_chunks(grad.numel(), self.chunk_elems)
+        if self.bound:
+            self._bound(bucket, u, v)
+        chunk = self.chunk_size(grad.numel())
+        n_chunks = ch.num_chunks(grad.numel(), chunk)
         k = self._budget(bucket.index, bucket.step, n_chunks)
         where = f"bucket {bucket.index} at step {bucket.step}"
         if k == 0:  # its turn has not come: everything stays in the residual
@@ -227,11 +313,7 @@ class CSC:
         low, high = torch.aminmax(v.detach())
         bound = torch.maximum(high, -low).reshape(1).float() / world
         # dense: the bound is all phase one carries; sparse: the chunk scores, then the bound
-        head = (
-            bound
-            if dense
-            else torch.cat([ch.chunk_scores(v, self.chunk_elems, normalise=True), bound])
-        )
+        head = bound if dense else torch.cat([ch.chunk_scores(v, chunk, normalise=True), bound])
         first = comm.allreduce(head, f"csc {'bound' if dense else 'scores'} of {where}")
         sent: list[torch.Tensor] = []  # [selected, payload, up]: set by phase two
 
@@ -242,7 +324,7 @@ class CSC:
                 else ch.select_chunks(head[:-1], k)
             )
             self.last_selection[bucket.index] = selected
-            payload, up = self._to_wire(u, v, selected, head[-1:], world, dense)
+            payload, up = self._to_wire(u, v, selected, head[-1:], world, dense, chunk)
             sent.extend((selected, payload, up))
             return lane.allreduce(payload, f"csc {'dense ' if dense else ''}payload of {where}")
 
@@ -251,7 +333,7 @@ class CSC:
             if dense:
                 torch.mul(payload, up, out=grad)
             else:
-                ch.unpack_chunks(payload * up, selected, self.chunk_elems, grad)
+                ch.unpack_chunks(payload * up, selected, chunk, grad)
 
         return self._order.submit(first, launch_payload, finish, f"csc reduction of {where}", comm)
 
@@ -263,6 +345,7 @@ class CSC:
         bound: torch.Tensor,
         world: int,
         dense: bool,
+        chunk: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The payload in the wire dtype, and the factor ``up`` that undoes its scaling; the
         momentum masking and the error feedback of what was sent (all on the device).
@@ -277,7 +360,6 @@ class CSC:
         up = torch.where(bound <= limit, 1.0, torch.ldexp(torch.ones_like(bound), exponent))
         up = up.to(v.dtype)
         divisor = up * world  # world exactly when up is 1
-        chunk = self.chunk_elems
         packed = v.div(divisor) if dense else ch.pack_chunks(v, selected, chunk).div_(divisor)
         payload = packed.to(self.wire_dtype, copy=True)
         # what rounding to the wire dtype lost stays in the residual (error feedback)

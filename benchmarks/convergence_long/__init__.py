@@ -1,0 +1,1 @@
+"""Long-run convergence of the compressors against DDP and its PowerSGD hook."""

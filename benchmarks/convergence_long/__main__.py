@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.convergence_long.main import main
+
+sys.exit(main())
