@@ -20,6 +20,7 @@ from syncline.cli.options import add_config_options, values_from
 from syncline.cli.plan import add_plan_options, cmd_plan, plan_doc
 from syncline.cli.report import REPORT_DOC, add_report_options, cmd_report
 from syncline.errors import CommError, ConfigError
+from syncline.extras import installed, missing_line
 from syncline.fields import flatten
 from syncline.launch import devices
 from syncline.launch.devices import default_nproc_per_node, refuse_emulated_nccl, resolved_backend
@@ -60,6 +61,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """The ``syncline`` parser; ``train``'s options are generated from ``TrainConfig``."""
     parser = _Parser(prog="syncline", description="syncline: distributed training for PyTorch.")
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     t = sub.add_parser(
         "train",
@@ -98,6 +100,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_report_options(r)
     return parser
+
+
+def version_line() -> str:
+    """``syncline X (torch Y, Python Z)``: the installed torch is read from its metadata,
+    not imported, so ``--version`` answers at once."""
+    from importlib import import_module
+    from importlib.metadata import PackageNotFoundError, version
+
+    ours = import_module("syncline").__version__  # the facade, loaded before this module
+    try:
+        torch = version("torch")
+    except PackageNotFoundError:
+        torch = "not installed"
+    python = ".".join(map(str, sys.version_info[:3]))
+    return f"syncline {ours} (torch {torch}, Python {python})"
 
 
 def _plugins_in(argv: Sequence[str]) -> list[str]:
@@ -267,6 +284,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
     from syncline.train.preflight import prepare_run_dir
 
     run_dir = prepare_run_dir(cfg)
+    if not installed("matplotlib"):  # the run goes on: metrics.jsonl holds every value
+        print(f"syncline train: no plots: {missing_line('loss.png', 'matplotlib')}", flush=True)
     config_path = run_dir / "config.json"
     p, optim = cfg.pipeline, cfg.optim
     pipeline = (
