@@ -30,6 +30,7 @@ PURE = [
     "syncline.schedule",
     "syncline.launch.netns",
     "syncline.launch.devices",
+    "syncline.launch.clusters",
     "syncline.partition",
     "syncline.planner",
 ]
