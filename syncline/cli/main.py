@@ -50,7 +50,9 @@ Pipeline example: syncline train --pipeline-stages 2 --microbatches 8 --schedule
 (the model is cut into 2 stages, one per rank; the batch into 8 micro-batches).
 
 Multi-node: run the same command on every node with --nnodes, --node-rank and
---rdzv-endpoint HOST:PORT of node 0.
+--rdzv-endpoint HOST:PORT of node 0; under Slurm (one srun task per node) and in a Kubeflow
+PyTorchJob's pods they are read from the environment (flags given as well must agree).
+Started by torchrun itself, it trains in torchrun's workers instead of launching again.
 """
 
 

@@ -253,3 +253,13 @@ def test_plan_auto_is_refused_under_torchrun(monkeypatch, capsys, tmp_path: Path
     _env(monkeypatch, WORKER)
     assert main(["train", "--plan", "auto", "--run-dir", str(tmp_path / "r")]) == 2
     assert "--plan auto profiles and launches by itself" in capsys.readouterr().err
+
+
+def test_the_docs_show_the_example_job_script_as_it_is() -> None:
+    repo = Path(__file__).resolve().parents[2]
+    (srun,) = [
+        line
+        for line in (repo / "examples" / "slurm" / "train.sbatch").read_text().splitlines()
+        if line.startswith("srun ")
+    ]
+    assert srun in (repo / "docs" / "clusters.md").read_text()
