@@ -16,6 +16,7 @@ spec=torch
 [ -n "$want" ] && spec="torch==$want"
 cleanup() { [ "${KEEP_VENV:-0}" = 1 ] || rm -rf "$venv"; }
 trap cleanup EXIT
+trap "exit 143" TERM INT  # a killed run (timeout) still removes its environment
 rm -rf "$venv"
 "$PY" -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --upgrade pip >/dev/null
