@@ -9,6 +9,7 @@ and seed themselves.
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -35,8 +36,19 @@ RANK_MODULES = [
 ]
 
 
+#: What a scheduler or launcher sets (syncline.launch.clusters reads it): removed for the
+#: session, so that the suite run inside a Slurm job, a pod or under torchrun tests the
+#: command lines it builds, not its own placement (the tests that need one set their own).
+LAUNCHER_PREFIXES = ("SLURM_", "PET_", "TORCHELASTIC_", "GROUP_", "ROLE_")
+LAUNCHER_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
+                  "LOCAL_WORLD_SIZE")  # fmt: skip
+
+
 def pytest_configure(config: pytest.Config) -> None:
     del config
+    for name in list(os.environ):
+        if name.startswith(LAUNCHER_PREFIXES) or name in LAUNCHER_NAMES:
+            del os.environ[name]
     preload(RANK_MODULES)
 
 

@@ -16,12 +16,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from syncline.cli.cluster import apply_placement, train_here
 from syncline.cli.options import add_config_options, values_from
 from syncline.cli.plan import add_plan_options, cmd_plan, plan_doc
 from syncline.cli.report import REPORT_DOC, add_report_options, cmd_report
 from syncline.errors import CommError, ConfigError
+from syncline.extras import installed, missing_line
 from syncline.fields import flatten
-from syncline.launch import devices
+from syncline.launch import clusters, devices
 from syncline.launch.devices import default_nproc_per_node, refuse_emulated_nccl, resolved_backend
 from syncline.registry import import_plugins
 from syncline.train.config import TrainConfig
@@ -48,7 +50,9 @@ Pipeline example: syncline train --pipeline-stages 2 --microbatches 8 --schedule
 (the model is cut into 2 stages, one per rank; the batch into 8 micro-batches).
 
 Multi-node: run the same command on every node with --nnodes, --node-rank and
---rdzv-endpoint HOST:PORT of node 0.
+--rdzv-endpoint HOST:PORT of node 0; under Slurm (one srun task per node) and in a Kubeflow
+PyTorchJob's pods they are read from the environment (flags given as well must agree).
+Started by torchrun itself, it trains in torchrun's workers instead of launching again.
 """
 
 
@@ -60,6 +64,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """The ``syncline`` parser; ``train``'s options are generated from ``TrainConfig``."""
     parser = _Parser(prog="syncline", description="syncline: distributed training for PyTorch.")
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     t = sub.add_parser(
         "train",
@@ -100,6 +105,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def version_line() -> str:
+    """``syncline X (torch Y, Python Z)``: the installed torch is read from its metadata,
+    not imported, so ``--version`` answers at once."""
+    from importlib import import_module
+    from importlib.metadata import PackageNotFoundError, version
+
+    ours = import_module("syncline").__version__  # the facade, loaded before this module
+    try:
+        torch = version("torch")
+    except PackageNotFoundError:
+        torch = "not installed"
+    python = ".".join(map(str, sys.version_info[:3]))
+    return f"syncline {ours} (torch {torch}, Python {python})"
+
+
 def _plugins_in(argv: Sequence[str]) -> list[str]:
     """The ``--plugin MODULE`` values, read before the parser is built (a plug-in's models,
     schedules and compressors then appear in ``--help`` and pass the checks)."""
@@ -129,14 +149,18 @@ def config_from_args(ns: argparse.Namespace, *, planning: bool = False) -> Train
         ConfigError: naming the bad value, before any process starts.
     """
     values = values_from(ns)
+    gpus, backend = devices.visible_gpus(), str(values.get("backend", _D.backend))
+    model = values.get("model", _D.model)
     if planning:
         values.pop("ranks_per_node", None)
+    else:  # the cluster's word on nodes, node rank, rendezvous (a plan describes any cluster)
+        placement = clusters.detect()
+        if placement is not None:
+            apply_placement(values, placement, backend, gpus, str(model))
     if values.get("resume") is not None:
         values = _resumed_values(values)
     if "run_dir" not in values:
-        model = values.get("model", _D.model)
         values["run_dir"] = f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{model}"
-    gpus, backend = devices.visible_gpus(), str(values.get("backend", _D.backend))
     if values.get("emulate_network") is not None:
         _check_emulation(values["emulate_network"], values, backend, gpus)
     values.setdefault("nproc_per_node", default_nproc_per_node(backend, gpus))
@@ -263,11 +287,17 @@ def _check_emulation(rate: str, values: dict[str, object], backend: str, gpus: i
 
 def cmd_train(ns: argparse.Namespace) -> int:
     cfg = config_from_args(ns)
+    placement = clusters.detect()
+    here = placement is not None and placement.source == "torchrun"
+    if here and placement is not None and placement.rank != 0:
+        return train_here(cfg, placement)  # rank 0 alone speaks
     from syncline.launch.torchrun import LaunchSpec, launch
-    from syncline.train.preflight import prepare_run_dir
+    from syncline.train.preflight import prepare_node
 
-    run_dir = prepare_run_dir(cfg)
-    config_path = run_dir / "config.json"
+    run_dir = Path(cfg.run_dir)
+    config_path, log_dir = (run_dir / "config.json", run_dir / "logs")
+    if not here:
+        config_path, log_dir = prepare_node(cfg)
     p, optim = cfg.pipeline, cfg.optim
     pipeline = (
         f", pipeline of {p.pipeline_stages} stages ({p.schedule}, "
@@ -288,6 +318,15 @@ def cmd_train(ns: argparse.Namespace) -> int:
         + f", warm-up {optim.warmup_steps} steps",
         flush=True,
     )
+    if not installed("matplotlib"):  # the run goes on: metrics.jsonl holds every value
+        print(f"syncline train: no plots: {missing_line('loss.png', 'matplotlib')}", flush=True)
+    if placement is not None:
+        where = ", ".join(placement.origin.values())
+        print(f"syncline train: node {cfg.node_rank} of {cfg.nnodes} ({placement.source}: "
+              f"{where})" + ("; started by torchrun: training in this process" if here else ""),
+              flush=True)  # fmt: skip
+    if here and placement is not None:
+        return train_here(cfg, placement)
     spec = LaunchSpec(
         module="syncline.train.worker",
         args=(str(config_path),),
@@ -296,7 +335,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
         node_rank=cfg.node_rank,
         rdzv_endpoint=cfg.rdzv_endpoint,
         threads_per_rank=cfg.threads,
-        log_dir=str(run_dir / "logs"),
+        log_dir=str(log_dir),
         max_restarts=cfg.checkpoint.max_restarts,
     )
     if cfg.emulate_network:
@@ -310,6 +349,17 @@ def cmd_train(ns: argparse.Namespace) -> int:
     else:
         launch(spec)
     return 0
+
+
+def _refuse_planning_under_torchrun() -> None:
+    """``--plan auto`` profiles this machine and launches the chosen configuration itself,
+    which a worker torchrun started cannot do without launching twice."""
+    placement = clusters.detect()
+    if placement is not None and placement.source == "torchrun":
+        raise ConfigError(
+            "--plan auto profiles and launches by itself; run it outside torchrun, or train "
+            "a planned configuration under torchrun (syncline plan prints its options)"
+        )
 
 
 def cmd_train_planned(argv: list[str], ns: argparse.Namespace) -> int:
@@ -380,6 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ns.command == "plan":
             return cmd_plan(config_from_args(ns, planning=True), ns)
         if ns.plan == "auto":
+            _refuse_planning_under_torchrun()
             return cmd_train_planned(args, ns)
         return cmd_train(ns)
     except ConfigError as exc:

@@ -12,6 +12,7 @@ import argparse
 from pathlib import Path
 
 from syncline.errors import ConfigError
+from syncline.extras import require
 
 __all__ = ["REPORT_DOC", "add_report_options", "cmd_report"]
 
@@ -50,6 +51,7 @@ def cmd_report(ns: argparse.Namespace) -> int:
         raise ConfigError(f"--out {ns.out}: the figure is a PNG; valid: a path ending in .png")
     if not out.parent.is_dir():
         raise ConfigError(f"--out {ns.out}: directory {out.parent} does not exist")
+    require("syncline report (its figure)", "matplotlib")
     runs = [load_run(path) for path in ns.runs]
     print(comparison_table(runs), flush=True)
     from syncline.train.report import plot_report

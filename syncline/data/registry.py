@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from syncline.errors import ConfigError
+from syncline.extras import require
 from syncline.registry import REFERENCE, Registry, check_reference, resolve
 
 __all__ = [
@@ -48,6 +49,8 @@ class DatasetSpec:
             the entry takes none.
         check: ``(argument, seq_len, val_fraction) -> None`` (or ``"module:function"``),
             raising ``ConfigError`` for a bad argument; run before any process starts.
+        needs: the import name of the optional package (an extra of
+            :data:`syncline.extras.EXTRAS`) the entry reads with, checked first.
     """
 
     name: str
@@ -55,6 +58,7 @@ class DatasetSpec:
     build: str | Callable[..., tuple[Any, int]]
     argument: str | None = None
     check: str | Callable[[str, int, float], None] | None = None
+    needs: str | None = None
 
 
 DATASETS: Registry[DatasetSpec] = Registry("data")
@@ -158,6 +162,8 @@ def check_data(value: str, seq_len: int, val_fraction: float) -> None:
         ConfigError: one line naming the value and what is valid.
     """
     entry, argument = data_spec(value)
+    if entry.needs is not None:
+        require(f"--data {value}", entry.needs)
     if entry.check is not None and argument is not None:
         resolve(entry.check)(argument, seq_len, val_fraction)
 
@@ -167,7 +173,12 @@ DATASETS.register(
     DatasetSpec("stdlib", "the Python standard library's own source, as bytes", f"{_B}:stdlib")
 )
 DATASETS.register(
-    DatasetSpec("digits", "scikit-learn's 8x8 hand-written digits (1797 images)", f"{_B}:digits")
+    DatasetSpec(
+        "digits",
+        "scikit-learn's 8x8 hand-written digits (1797 images)",
+        f"{_B}:digits",
+        needs="sklearn",
+    )
 )
 DATASETS.register(
     DatasetSpec("synthetic", "4096 random 8x8 images of 10 learnable classes", f"{_B}:synthetic")
@@ -188,6 +199,7 @@ DATASETS.register(
         "syncline.data.folders:token_folder",
         argument="TOKENIZER:PATH",
         check="syncline.data.files:check_tokens",
+        needs="tokenizers",
     )
 )
 DATASETS.register(
@@ -197,5 +209,6 @@ DATASETS.register(
         "syncline.data.folders:image_folder",
         argument="PATH",
         check="syncline.data.files:check_images",
+        needs="PIL",
     )
 )

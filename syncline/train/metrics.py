@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from syncline.extras import installed
+
 
 @dataclass(frozen=True)
 class StepRecord:
@@ -163,8 +165,12 @@ def _validation_summary(records: list[StepRecord]) -> dict[str, Any]:
     return out
 
 
-def plot_loss(records: list[StepRecord], path: Path, title: str) -> Path:
-    """Write the loss curve as a PNG (matplotlib's Agg backend: no display needed)."""
+def plot_loss(records: list[StepRecord], path: Path, title: str) -> Path | None:
+    """Write the loss curve as a PNG (matplotlib's Agg backend: no display needed); without
+    matplotlib (the ``plot`` extra) nothing, and ``None``: the command line said so before
+    the run, and metrics.jsonl holds every value the curve would show."""
+    if not installed("matplotlib"):
+        return None
     import matplotlib
 
     matplotlib.use("Agg")

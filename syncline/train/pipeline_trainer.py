@@ -30,6 +30,7 @@ from syncline.data.user import KeywordInputs
 from syncline.dp.compressors import build_compressor
 from syncline.dp.precision import LossScaler
 from syncline.errors import ConfigError
+from syncline.extras import installed
 from syncline.models.user import first_argument
 from syncline.partition import balance as balance_costs
 from syncline.pipeline import Pipeline
@@ -503,6 +504,7 @@ def _finish(
 
 
 def _print_summary(summary: dict[str, Any], run_dir: Path, board: bool = False) -> None:
+    plotted = installed("matplotlib")
     peak = max((m["peak_activation_bytes"] for m in summary["memory"].values()), default=0)
     idle = ", ".join(f"{f:.0%}" for f in summary["traced_idle_per_rank"].values())
     points = summary.get("split_points")
@@ -517,8 +519,9 @@ def _print_summary(summary: dict[str, Any], run_dir: Path, board: bool = False) 
         f"{summary['traced_bubble_fraction']:.0%} of the traced steps (per rank: {idle}) | "
         f"{human_bytes(summary['wire_bytes_per_step'])} on the wire/step | "
         f"{summary['elapsed_s']:.1f}s\n"
-        f"run directory: {run_dir} (config.json, metrics.jsonl, loss.png, checkpoint.pt, "
-        f"summary.json, trace.json, schedule.png{', sample.txt' if 'sample' in summary else ''}"
+        f"run directory: {run_dir} (config.json, metrics.jsonl, "
+        f"{'loss.png, ' if plotted else ''}checkpoint.pt, summary.json, trace.json"
+        f"{', schedule.png' if plotted else ''}{', sample.txt' if 'sample' in summary else ''}"
         f"{', tensorboard/' if board else ''})",
         flush=True,
     )

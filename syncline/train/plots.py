@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from syncline.extras import installed
 from syncline.schedule import ActionKind, Event, Timeline
 
 K = ActionKind
@@ -50,8 +51,11 @@ def _box(event: Event, t0: float) -> tuple[float, float, float, float]:
     return left, width, row + offset - 0.12, 0.12
 
 
-def plot_schedule(timeline: Timeline, path: Path, title: str) -> Path:
-    """Write the Gantt chart of ``timeline`` (times in seconds) as a PNG; returns ``path``."""
+def plot_schedule(timeline: Timeline, path: Path, title: str) -> Path | None:
+    """Write the Gantt chart of ``timeline`` (times in seconds) as a PNG; returns ``path``
+    (``None`` without matplotlib, the ``plot`` extra: trace.json holds the same events)."""
+    if not installed("matplotlib"):
+        return None
     import matplotlib
 
     matplotlib.use("Agg")

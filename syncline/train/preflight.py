@@ -17,7 +17,7 @@ from syncline.errors import ConfigError
 from syncline.models.factory import FactoryCall
 from syncline.train.config import TrainConfig
 
-__all__ = ["check_run", "preflight", "prepare_run_dir"]
+__all__ = ["check_run", "preflight", "prepare_node", "prepare_run_dir"]
 
 
 def check_run(cfg: TrainConfig) -> TrainConfig:
@@ -48,6 +48,24 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     return run_dir
+
+
+def prepare_node(cfg: TrainConfig) -> tuple[Path, Path]:
+    """The config file this node's workers read and the directory for its torchrun logs.
+
+    Node 0 prepares the run directory (:func:`prepare_run_dir`). The nodes of a multi-node
+    run usually share the run directory on a shared file system, so the others neither clear
+    it nor write node 0's files (it may be reading them): each writes its own config, and
+    keeps its logs, under ``logs/nodeN/`` (torchrun names its log folders by local rank,
+    the same on every node).
+    """
+    if cfg.node_rank == 0:
+        run_dir = prepare_run_dir(cfg)
+        return run_dir / "config.json", run_dir / "logs"
+    node_dir = Path(cfg.run_dir) / "logs" / f"node{cfg.node_rank}"
+    node_dir.mkdir(parents=True, exist_ok=True)
+    (node_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    return node_dir / "config.json", node_dir
 
 
 def preflight(cfg: TrainConfig) -> None:

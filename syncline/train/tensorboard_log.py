@@ -27,8 +27,9 @@ def check_available() -> None:
     """Raises ConfigError, naming the fix, when the ``tensorboard`` package is missing."""
     if find_spec("tensorboard") is None:
         raise ConfigError(
-            "--tensorboard needs the tensorboard package, which is not installed; valid: "
-            "pip install tensorboard, or leave out --tensorboard (metrics.jsonl has every value)"
+            "--tensorboard needs the tensorboard package, which is not installed: "
+            "pip install 'syncline[tensorboard]', or leave out --tensorboard (metrics.jsonl "
+            "has every value)"
         )
 
 

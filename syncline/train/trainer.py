@@ -20,6 +20,7 @@ from syncline.dp.compressors import build_compressor
 from syncline.dp.engine import DataParallel
 from syncline.dp.guard import StepGuard
 from syncline.dp.precision import LossScaler, autocast
+from syncline.extras import installed
 from syncline.optim.skip import step_unless
 from syncline.pipeline.evaluate import evaluating
 from syncline.train.checkpoint import save_checkpoint
@@ -246,7 +247,8 @@ def _print_summary(
             else ""
         )
         + f" | {summary['elapsed_s']:.1f}s\n"
-        f"run directory: {cfg.run_dir} (config.json, metrics.jsonl, loss.png, checkpoint.pt, "
+        f"run directory: {cfg.run_dir} (config.json, metrics.jsonl, "
+        f"{'loss.png, ' if installed('matplotlib') else ''}checkpoint.pt, "
         f"summary.json{', sample.txt' if sample else ''}"
         f"{', tensorboard/' if board else ''})",
         flush=True,

@@ -69,7 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     with open(args[0]) as f:
         values = json.load(f)
     import_plugins(values.get("plugins", ()))  # before the config names their entries
-    cfg = TrainConfig.from_dict(values)
+    run_worker(TrainConfig.from_dict(values))
+    return 0
+
+
+def run_worker(cfg: TrainConfig) -> None:
+    """Train as the rank torchrun's environment names (``RANK``, ``LOCAL_RANK``, ...): what
+    a worker started by ``syncline train`` runs, and what ``syncline train`` itself runs when
+    torchrun started it (then it is one of the workers)."""
     torch.set_num_threads(cfg.threads)
     backend, device = rank_backend_and_device(cfg, int(os.environ.get("LOCAL_RANK", "0")))
     rank, world = comm.init_from_env(backend=backend, timeout_s=cfg.timeout_s)
@@ -86,7 +93,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     finally:
         comm.destroy()
-    return 0
 
 
 if __name__ == "__main__":
