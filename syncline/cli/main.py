@@ -8,6 +8,7 @@ naming it and exit code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -262,7 +263,22 @@ def _check_emulation(rate: str, values: dict[str, object], backend: str, gpus: i
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    cfg = config_from_args(ns)
+    """Validate, lock the run directory for the job's lifetime (a second job on it is
+    refused), prepare it and launch."""
+    from syncline.launch.lifeline import lock_run_dir
+
+    given = Path(str(getattr(ns, "resume", None) or getattr(ns, "run_dir", None) or ""))
+    with contextlib.ExitStack() as held:
+        early = str(given) != "." and given.is_dir()
+        if early:  # before its checkpoints are read
+            held.enter_context(lock_run_dir(given))
+        cfg = config_from_args(ns)
+        if not early or given.resolve() != Path(cfg.run_dir).resolve():
+            held.enter_context(lock_run_dir(cfg.run_dir))
+        return _launch_train(cfg)
+
+
+def _launch_train(cfg: TrainConfig) -> int:
     from syncline.launch.torchrun import LaunchSpec, launch
     from syncline.train.preflight import prepare_run_dir
 

@@ -16,6 +16,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from syncline import comm
 from syncline.comm.registry import build_allreduce
 from syncline.comm.topology import Topology
+from syncline.launch.lifeline import AGENT_PID_VARIABLE, die_with_parent
 from syncline.registry import import_plugins
 from syncline.train.common import rank_backend_and_device
 from syncline.train.config import TrainConfig
@@ -63,6 +64,8 @@ def run_rank(
 @record
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    agent = os.environ.get(AGENT_PID_VARIABLE)
+    die_with_parent(int(agent) if agent else None)  # never outlive the launcher
     if len(args) != 1:
         print("usage: python -m syncline.train.worker CONFIG.json", file=sys.stderr)
         return 2

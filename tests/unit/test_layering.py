@@ -29,6 +29,7 @@ PURE = [
     "syncline.schedule",
     "syncline.launch.netns",
     "syncline.launch.devices",
+    "syncline.launch.lifeline",
     "syncline.partition",
     "syncline.planner",
 ]
