@@ -107,7 +107,7 @@ class SnapshotStore:
             if found:
                 raise CheckpointError(f"checkpoint {snap.path} is damaged: {found[0]}")
             self._verified.add(snap.path)
-        return load_sharded(snap.path, keys, group=self.group)
+        return load_sharded(snap.path, keys, group=self.group, timeout_s=self.timeout_s)
 
     def _verify_share(self, path: Path) -> list[str]:
         try:
@@ -149,7 +149,7 @@ class SnapshotStore:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir()
         self._barrier(f"checkpoint {step}: directory ready")
-        save_sharded(tensors, partial, group=self.group)
+        save_sharded(tensors, partial, group=self.group, timeout_s=self.timeout_s)
         if on_written is not None:
             on_written()
         names = sorted(p.name for p in partial.iterdir())

@@ -100,3 +100,48 @@ def test_workers_die_with_their_launcher_and_a_live_run_dir_is_locked(tmp_path) 
     # the lock went with its holder: the run directory is free again
     again = syncline("train", *TINY, "--steps", "2", "--run-dir", str(run), timeout=240)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+
+
+def _attempt(pid: int) -> int:
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    count = [e for e in environ if e.startswith(b"TORCHELASTIC_RESTART_COUNT=")]
+    return int(count[0].split(b"=")[1]) if count else -1
+
+
+def _restarted(launcher: int) -> bool:
+    """Whether a worker of the second attempt runs."""
+    try:
+        return any(_attempt(pid) == 1 for pid in _workers(launcher).values())
+    except OSError:  # a worker ended while it was read
+        return False
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_named_killed_and_the_job_restarts_promptly(tmp_path) -> None:
+    run, out, timeout_s = tmp_path / "run", tmp_path / "out.txt", 10
+    job = _start(
+        run, out, "--steps", "60", "--checkpoint-every", "5", "--timeout", str(timeout_s),
+        "--max-restarts", "1",
+    )  # fmt: skip
+    try:
+        _until("step 12", lambda: _steps_logged(run) >= 12, 180)
+        stopped = _workers(job.pid)[1]
+        os.kill(stopped, signal.SIGSTOP)  # as a stuck GPU or a swapped-out host
+        t0 = time.monotonic()
+        _until("the restart", lambda: _restarted(job.pid), timeout_s + 60)
+        began = time.monotonic() - t0
+        assert job.wait(timeout=240) == 0, out.read_text()[-3000:]
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    text = out.read_text()
+    named = [line for line in text.splitlines() if "did not answer" in line]
+    assert named, text[-3000:]
+    assert named[0].startswith("rank 0: "), named
+    assert f"did not complete within {timeout_s}s" in named[0], named
+    assert "; rank 1 did not answer (stopped or hung), killed: 1" in named[0], named
+    assert "Traceback" not in text, text[-3000:]  # it went to the rank's log file
+    assert "Traceback" in (run / "logs" / "rank0.log").read_text()
+    assert not _alive(stopped)
+    assert began < timeout_s + 10, began
+    assert "resumed from" in text, text[-3000:]
