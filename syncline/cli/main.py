@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from syncline.cli.options import add_config_options, values_from
 from syncline.cli.plan import add_plan_options, cmd_plan, plan_doc
@@ -26,6 +26,9 @@ from syncline.launch import devices
 from syncline.launch.devices import default_nproc_per_node, refuse_emulated_nccl, resolved_backend
 from syncline.registry import import_plugins
 from syncline.train.config import TrainConfig
+
+if TYPE_CHECKING:
+    from syncline.train.snapshots import Snapshot
 
 _D = TrainConfig()  # defaults, shown in --help
 _FLAT_D = _D.to_flat_dict()
@@ -217,9 +220,7 @@ def _resumed_values(given: dict[str, object]) -> dict[str, object]:
                 f"{stored.get(key)!r}; a resumed run keeps its config (may change: "
                 f"{', '.join(sorted(_MAY_CHANGE_ON_RESUME - {'resume'}))})"
             )
-    from syncline.train.snapshots import SnapshotStore
-
-    latest = SnapshotStore(run / "checkpoints", keep=1).latest()
+    latest = _newest_intact(run)
     if latest is None:
         raise ConfigError(
             f"resume={str(run)!r}: no complete checkpoint under {run / 'checkpoints'}; "
@@ -240,6 +241,29 @@ def _resumed_values(given: dict[str, object]) -> dict[str, object]:
     elif "pipeline_stages" in given and "balance" not in given:
         merged["balance"] = None  # the old split does not fit the new number of stages
     return merged
+
+
+def _newest_intact(run: Path) -> Snapshot | None:
+    """The newest checkpoint of ``run`` that verifies, checked before any process starts;
+    one line for each newer one skipped, and why.
+
+    Raises:
+        ConfigError: there are checkpoints, but every one is damaged.
+    """
+    from syncline.train.snapshots import SnapshotStore, problems
+
+    skipped = []
+    for snap in reversed(SnapshotStore(run / "checkpoints", keep=1).complete()):
+        found = problems(snap.path)
+        if not found:
+            return snap
+        skipped.append(f"{snap.path.name}: damaged: {found[0]}")
+        print(f"syncline train: skipping checkpoint {snap.path}: damaged: {found[0]}", flush=True)
+    if skipped:
+        raise ConfigError(
+            f"resume={str(run)!r}: no intact checkpoint to resume from ({'; '.join(skipped)})"
+        )
+    return None
 
 
 def _check_emulation(rate: str, values: dict[str, object], backend: str, gpus: int) -> None:

@@ -113,7 +113,9 @@ def train(
         timeout_s=cfg.timeout_s,
         device=device,
     )
-    snap = store.latest() if cfg.checkpoint.resume is not None or attempt > 0 else None
+    snap = None
+    if cfg.checkpoint.resume is not None or attempt > 0:  # the newest that verifies
+        snap = store.newest_intact(functools.partial(print, flush=True) if rank == 0 else None)
     runner: Runner
     if cfg.pipeline.pipelined:
         from syncline.train.pipeline_trainer import PipelineRunner

@@ -35,7 +35,7 @@ from syncline.comm.sharded import load_sharded, save_sharded
 from syncline.errors import CheckpointError
 from syncline.fields import check_int
 
-__all__ = ["Snapshot", "SnapshotStore"]
+__all__ = ["Snapshot", "SnapshotStore", "problems"]
 
 _NAME = re.compile(r"^step-(\d{8})$")
 MANIFEST = "MANIFEST.json"
@@ -95,38 +95,49 @@ class SnapshotStore:
         done = self.complete()
         return done[-1] if done else None
 
+    def newest_intact(self, note: Callable[[str], None] | None = None) -> Snapshot | None:
+        """The newest checkpoint that verifies (every rank calls this; each checks a share of
+        the files), or ``None`` when there is none at all. A damaged one is skipped for the
+        one before it, and ``note`` (rank 0's printer) gets one line naming it and why.
+
+        Raises:
+            CheckpointError: checkpoints exist but none verifies (naming each one's damage).
+        """
+        skipped = []
+        for snap in reversed(self.complete()):
+            problem = self.verify(snap)
+            if problem is None:
+                return snap
+            skipped.append(problem)
+            if note is not None:
+                note(f"skipping checkpoint {snap.path}: {problem}; trying the one before it")
+        if skipped:
+            raise CheckpointError(f"no intact checkpoint under {self.root}: {'; '.join(skipped)}")
+        return None
+
+    def verify(self, snap: Snapshot) -> str | None:
+        """What is wrong with ``snap`` (the first damaged or missing file), or ``None``;
+        every rank checks a share of its files and every rank gets the verdict."""
+        if snap.path in self._verified:
+            return None
+        rank, world = comm.group_rank(self.group), comm.group_size(self.group)
+        everyone = self._everyone(problems(snap.path, rank, world), f"verification of {snap.path}")
+        found = [p for rank_problems in everyone for p in rank_problems]
+        if found:
+            return f"damaged: {found[0]}"
+        self._verified.add(snap.path)
+        return None
+
     def load(self, snap: Snapshot, keys: list[str]) -> dict[str, torch.Tensor]:
         """Verify ``snap`` (every rank a share of its files) and read ``keys`` on this rank.
 
         Raises:
             CheckpointError: on every rank, naming the first damaged or missing file.
         """
-        if snap.path not in self._verified:
-            everyone = self._everyone(self._verify_share(snap.path), f"verification of {snap.path}")
-            found = [p for rank_problems in everyone for p in rank_problems]
-            if found:
-                raise CheckpointError(f"checkpoint {snap.path} is damaged: {found[0]}")
-            self._verified.add(snap.path)
+        problem = self.verify(snap)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {snap.path} is {problem}")
         return load_sharded(snap.path, keys, group=self.group, timeout_s=self.timeout_s)
-
-    def _verify_share(self, path: Path) -> list[str]:
-        try:
-            manifest = json.loads((path / MANIFEST).read_text())
-            files = manifest["files"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            return [f"{MANIFEST} unreadable ({exc})"]
-        listed = sorted(files)
-        on_disk = sorted(p.name for p in path.iterdir() if p.name != MANIFEST)
-        if listed != on_disk:
-            return [f"files {sorted(set(listed) ^ set(on_disk))} differ from {MANIFEST}"]
-        rank, world = comm.group_rank(self.group), comm.group_size(self.group)
-        problems = []
-        for name in listed[rank::world]:
-            size, digest = _size_and_digest(path / name)
-            want = files[name]
-            if [size, digest] != [want.get("size"), want.get("sha256")]:
-                problems.append(f"{name} ({size} bytes) does not match its recorded digest")
-        return problems
 
     # -- writing ---------------------------------------------------------------------------
     def save(
@@ -182,6 +193,32 @@ class SnapshotStore:
 
     def _barrier(self, what: str) -> None:
         comm.barrier(group=self.group, timeout_s=self.timeout_s, what=what)
+
+
+def problems(path: Path, rank: int = 0, world: int = 1) -> list[str]:
+    """What is wrong with the checkpoint in ``path``: the manifest, the list of files, and
+    the sizes and digests of share ``rank`` of ``world`` of the files (by default all: a
+    single process, such as the command line before a launch)."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return [f"{MANIFEST} unreadable ({exc})"]
+    listed = sorted(files)
+    on_disk = sorted(p.name for p in path.iterdir() if p.name != MANIFEST)
+    if listed != on_disk:
+        return [f"files {sorted(set(listed) ^ set(on_disk))} differ from {MANIFEST}"]
+    found = []
+    for name in listed[rank::world]:
+        try:
+            size, digest = _size_and_digest(path / name)
+        except OSError as exc:
+            found.append(f"{name} unreadable ({exc})")
+            continue
+        want = files[name]
+        if [size, digest] != [want.get("size"), want.get("sha256")]:
+            found.append(f"{name} ({size} bytes) does not match its recorded digest")
+    return found
 
 
 def _size_and_digest(path: Path) -> tuple[int, str]:

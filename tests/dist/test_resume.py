@@ -113,6 +113,48 @@ def test_resume_after_a_failure_is_bit_exact(tmp_path, uninterrupted) -> None:
     ]
 
 
+def test_resume_skips_a_damaged_newest_checkpoint_and_is_bit_exact(
+    tmp_path, uninterrupted, capsys
+) -> None:
+    """One byte flipped in the newest checkpoint (of step 6): the command line checks it
+    before launch and the ranks check it again; each says in one line that it skips it and
+    why, the run continues from the intact one before it (step 4, kept by
+    ``--keep-checkpoints 2``) and ends with the uninterrupted run's state, bit for bit."""
+    run = tmp_path / "run"
+    failed = train_failing(
+        *TINY, "--run-dir", str(run), "--steps", "8", "--checkpoint-every", "2",
+        "--inject-failure", "1:7",
+    )  # fmt: skip
+    assert "rank 1: injected failure at step 7" in failed.text, failed.text[-3000:]
+    newest = run / "checkpoints" / "step-00000006"
+    victim = sorted(p for p in newest.iterdir() if p.suffix == ".distcp")[-1]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    capsys.readouterr()
+    text = _train(run, "--resume", str(run), "--steps", "8").text
+    why = f"damaged: {victim.name} ({len(data)} bytes) does not match its recorded digest"
+    before_launch = capsys.readouterr().out
+    assert f"syncline train: skipping checkpoint {newest}: {why}\n" in before_launch
+    lines = [line for line in text.splitlines() if "skipping checkpoint" in line]
+    assert lines == [f"skipping checkpoint {newest}: {why}; trying the one before it"], text
+    assert "Traceback" not in text
+    assert f"resumed from {run / 'checkpoints' / 'step-00000004'} (step 4)" in text, text
+    _assert_same_state(_final(run), uninterrupted["dense"])
+
+
+def test_resume_refuses_when_no_checkpoint_is_intact(tmp_path) -> None:
+    run = tmp_path / "run"
+    _train(run, "--steps", "2", "--checkpoint-every", "2")
+    for snap in (run / "checkpoints").iterdir():
+        victim = sorted(p for p in snap.iterdir() if p.suffix == ".distcp")[0]
+        victim.write_bytes(victim.read_bytes()[:-1])  # truncated
+    res = cli("train", *TINY, "--resume", str(run), "--steps", "4")
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "no intact checkpoint to resume from (step-00000002: damaged:" in res.stderr
+    assert res.stderr.count("\n") == 1, res.stderr
+
+
 @pytest.mark.parametrize(
     "variant",
     [
