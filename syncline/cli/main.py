@@ -184,6 +184,7 @@ _MAY_CHANGE_ON_RESUME = frozenset(
         "node_rank",
         "checkpoint_every",
         "keep_checkpoints",
+        "on_checkpoint_error",
         "inject_failure",
         "plugins",
         "tensorboard",
@@ -293,12 +294,13 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
     given = Path(str(getattr(ns, "resume", None) or getattr(ns, "run_dir", None) or ""))
     with contextlib.ExitStack() as held:
-        early = str(given) != "." and given.is_dir()
-        if early:  # before its checkpoints are read
-            held.enter_context(lock_run_dir(given))
+        lock = None
+        if str(given) != "." and given.is_dir():  # before its checkpoints are read
+            lock = held.enter_context(lock_run_dir(given))
         cfg = config_from_args(ns)
-        if not early or given.resolve() != Path(cfg.run_dir).resolve():
-            held.enter_context(lock_run_dir(cfg.run_dir))
+        if lock is None or given.resolve() != Path(cfg.run_dir).resolve():
+            lock = held.enter_context(lock_run_dir(cfg.run_dir))
+        lock.announce()
         return _launch_train(cfg)
 
 

@@ -6,7 +6,8 @@ workers: they would train on and write into the run directory while a new job st
 :func:`die_with_parent` makes the kernel SIGKILL the worker when its parent goes
 (``PR_SET_PDEATHSIG``), with a thread that watches the parent as a fallback (other kernels,
 or a parent that went before the worker could ask). :func:`lock_run_dir` lets one job at a
-time use a run directory (``flock``: released by the kernel when its holder dies, however).
+time use a run directory (``flock`` on the directory: released by the kernel when its holder
+dies, however).
 """
 
 from __future__ import annotations
@@ -22,16 +23,15 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
 
 from syncline.errors import ConfigError
 
-__all__ = ["AGENT_PID_VARIABLE", "LOCK_NAME", "die_with_parent", "lock_run_dir"]
+__all__ = ["AGENT_PID_VARIABLE", "LOCK_NAME", "RunLock", "die_with_parent", "lock_run_dir"]
 
 #: the environment variable through which :func:`syncline.launch.torchrun.launch` tells its
 #: workers the agent's pid (the parent they must not outlive)
 AGENT_PID_VARIABLE = "SYNCLINE_AGENT_PID"
-#: the lock file in a run directory; it names its holder (pid, host, start time)
+#: the file in a run directory that names the job holding it (pid, host, start time)
 LOCK_NAME = ".syncline.lock"
 _PR_SET_PDEATHSIG = 1
 
@@ -61,36 +61,51 @@ def die_with_parent(parent: int | None = None, *, poll_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="syncline-parent-watch", daemon=True).start()
 
 
-@contextlib.contextmanager
-def lock_run_dir(run_dir: str | os.PathLike[str]) -> Iterator[Path]:
-    """Hold ``RUN_DIR/.syncline.lock`` for the duration of the block; yields its path.
+class RunLock:
+    """The lock a job holds on its run directory (see :func:`lock_run_dir`)."""
 
-    The lock is an ``flock`` on the file, which records the holder's pid, host and start
-    time. The kernel drops it when the holder exits, also by SIGKILL, so a crashed job never
-    leaves a stale lock behind. (``flock`` needs a file system that supports it across the
-    hosts that share the run directory; on one host every local file system does.)
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+
+    def announce(self) -> Path:
+        """Write who holds the lock (pid, host, start time) into ``RUN_DIR/.syncline.lock``,
+        where a refused job reads it; called once the job is going to run (a refused or
+        invalid command leaves the directory as it was)."""
+        path = self.run_dir / LOCK_NAME
+        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        path.write_text(f"pid {os.getpid()} on host {socket.gethostname()}, started {started}\n")
+        return path
+
+
+@contextlib.contextmanager
+def lock_run_dir(run_dir: str | os.PathLike[str]) -> Iterator[RunLock]:
+    """Hold the run directory ``run_dir`` (created if missing) for the block.
+
+    The lock is an ``flock`` on the directory itself; the kernel drops it when its holder
+    exits, also by SIGKILL, so a crashed job never leaves a stale lock behind. (``flock``
+    needs a file system that supports it across the hosts that share the run directory; on
+    one host every local file system does.) Taking it writes nothing: the holder names
+    itself with :meth:`RunLock.announce`.
 
     Raises:
-        ConfigError: another live job holds the lock, naming it.
+        ConfigError: another live job holds the lock, naming it (from its announcement).
     """
-    path = Path(run_dir) / LOCK_NAME
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle: IO[str] = open(path, "a+")  # noqa: SIM115  (held open for the whole block)
+    path = Path(run_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDONLY)
     try:
         try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "a job that has not written its name yet"
+            try:
+                holder = (path / LOCK_NAME).read_text().strip()
+            except OSError:
+                holder = ""
             raise ConfigError(
-                f"run directory {run_dir} is in use by another job ({holder}); wait for it "
-                f"to end or stop it, or choose another --run-dir (lock: {path})"
+                f"run directory {run_dir} is in use by another job "
+                f"({holder or 'one that has not named itself yet'}); wait for it to end or "
+                f"stop it, or choose another --run-dir"
             ) from None
-        handle.seek(0)
-        handle.truncate()
-        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        handle.write(f"pid {os.getpid()} on host {socket.gethostname()}, started {started}\n")
-        handle.flush()
-        yield path
+        yield RunLock(path)
     finally:
-        handle.close()  # releases the lock
+        os.close(fd)  # releases the lock
