@@ -145,3 +145,40 @@ def test_a_stopped_rank_is_named_killed_and_the_job_restarts_promptly(tmp_path) 
     assert not _alive(stopped)
     assert began < timeout_s + 10, began
     assert "resumed from" in text, text[-3000:]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1.5 MiB tmpfs: room for the run's files and two checkpoints of the tiny GPT
+    (~0.5 MiB each), not for a third beside them (needs root; skipped elsewhere)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1500k", "tmpfs", str(disk)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+@pytest.mark.slow
+def test_a_full_disk_skips_the_checkpoint_with_one_line_and_the_run_goes_on(small_disk) -> None:
+    run = small_disk / "run"
+    res = syncline(
+        "train", *TINY, "--run-dir", str(run), "--steps", "8", "--checkpoint-every", "2",
+        "--log-every", "4", "--on-checkpoint-error", "skip", timeout=240,
+    )  # fmt: skip
+    text = res.stdout + res.stderr
+    assert res.returncode == 0, text[-3000:]
+    warned = [line for line in text.splitlines() if line.startswith("warning:")]
+    assert warned, text[-3000:]
+    assert warned[0].startswith(
+        f"warning: checkpoint of step 6 does not fit in {run / 'checkpoints'}: "
+    ), warned
+    assert "No space left on device" in warned[0] and " free there; skipped" in warned[0]
+    assert "Traceback" not in text, text[-3000:]
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert names[:2] == ["step-00000002", "step-00000004"], names  # intact, nothing partial
