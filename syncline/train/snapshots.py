@@ -242,9 +242,6 @@ class SnapshotStore:
             mine, group=self.group, what=what, timeout_s=self.timeout_s, device=self.device
         )
 
-    def _barrier(self, what: str) -> None:
-        comm.barrier(group=self.group, timeout_s=self.timeout_s, what=what)
-
 
 def problems(path: Path, rank: int = 0, world: int = 1) -> list[str]:
     """What is wrong with the checkpoint in ``path``: the manifest, the list of files, and
