@@ -21,3 +21,12 @@ class CommTimeout(CommError):
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, truncated or does not match its recorded digest."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (no space left, an I/O error); the checkpoints
+    published before it are intact. ``no_space``: the file system was full."""
+
+    def __init__(self, message: str, *, no_space: bool = False) -> None:
+        super().__init__(message)
+        self.no_space = no_space

@@ -73,5 +73,4 @@ def train_here(cfg: TrainConfig, placement: Placement) -> int:
 
     if placement.rank == 0 and placement.attempt == 0:  # a restart resumes from its files
         prepare_run_dir(cfg)
-    run_worker(cfg)
-    return 0
+    return run_worker(cfg)

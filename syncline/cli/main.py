@@ -8,13 +8,14 @@ naming it and exit code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from syncline.cli.cluster import apply_placement, train_here
 from syncline.cli.options import add_config_options, values_from
@@ -27,6 +28,9 @@ from syncline.launch import clusters, devices
 from syncline.launch.devices import default_nproc_per_node, refuse_emulated_nccl, resolved_backend
 from syncline.registry import import_plugins
 from syncline.train.config import TrainConfig
+
+if TYPE_CHECKING:
+    from syncline.train.snapshots import Snapshot
 
 _D = TrainConfig()  # defaults, shown in --help
 _FLAT_D = _D.to_flat_dict()
@@ -204,6 +208,7 @@ _MAY_CHANGE_ON_RESUME = frozenset(
         "node_rank",
         "checkpoint_every",
         "keep_checkpoints",
+        "on_checkpoint_error",
         "inject_failure",
         "plugins",
         "tensorboard",
@@ -240,9 +245,7 @@ def _resumed_values(given: dict[str, object]) -> dict[str, object]:
                 f"{stored.get(key)!r}; a resumed run keeps its config (may change: "
                 f"{', '.join(sorted(_MAY_CHANGE_ON_RESUME - {'resume'}))})"
             )
-    from syncline.train.snapshots import SnapshotStore
-
-    latest = SnapshotStore(run / "checkpoints", keep=1).latest()
+    latest = _newest_intact(run)
     if latest is None:
         raise ConfigError(
             f"resume={str(run)!r}: no complete checkpoint under {run / 'checkpoints'}; "
@@ -263,6 +266,29 @@ def _resumed_values(given: dict[str, object]) -> dict[str, object]:
     elif "pipeline_stages" in given and "balance" not in given:
         merged["balance"] = None  # the old split does not fit the new number of stages
     return merged
+
+
+def _newest_intact(run: Path) -> Snapshot | None:
+    """The newest checkpoint of ``run`` that verifies, checked before any process starts;
+    one line for each newer one skipped, and why.
+
+    Raises:
+        ConfigError: there are checkpoints, but every one is damaged.
+    """
+    from syncline.train.snapshots import SnapshotStore, problems
+
+    skipped = []
+    for snap in reversed(SnapshotStore(run / "checkpoints", keep=1).complete()):
+        found = problems(snap.path)
+        if not found:
+            return snap
+        skipped.append(f"{snap.path.name}: damaged: {found[0]}")
+        print(f"syncline train: skipping checkpoint {snap.path}: damaged: {found[0]}", flush=True)
+    if skipped:
+        raise ConfigError(
+            f"resume={str(run)!r}: no intact checkpoint to resume from ({'; '.join(skipped)})"
+        )
+    return None
 
 
 def _check_emulation(rate: str, values: dict[str, object], backend: str, gpus: int) -> None:
@@ -286,11 +312,34 @@ def _check_emulation(rate: str, values: dict[str, object], backend: str, gpus: i
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    cfg = config_from_args(ns)
+    """Validate, lock the run directory for the job's lifetime (a second job on it is
+    refused), prepare it and launch; started by torchrun, train in this process instead.
+
+    Node 0 holds the lock (the launcher, or rank 0 under torchrun): the other nodes of a
+    multi-node job share the run directory with it.
+    """
+    from syncline.launch.lifeline import lock_run_dir
+
     placement = clusters.detect()
     here = placement is not None and placement.source == "torchrun"
     if here and placement is not None and placement.rank != 0:
-        return train_here(cfg, placement)  # rank 0 alone speaks
+        return train_here(config_from_args(ns), placement)  # rank 0 alone speaks and locks
+    node = placement.node_rank if placement is not None else getattr(ns, "node_rank", None)
+    given = Path(str(getattr(ns, "resume", None) or getattr(ns, "run_dir", None) or ""))
+    with contextlib.ExitStack() as held:
+        lock = None
+        if not node and str(given) != "." and given.is_dir():  # before its checkpoints are read
+            lock = held.enter_context(lock_run_dir(given))
+        cfg = config_from_args(ns)
+        if cfg.node_rank == 0 and (lock is None or given.resolve() != Path(cfg.run_dir).resolve()):
+            lock = held.enter_context(lock_run_dir(cfg.run_dir))
+        if lock is not None:
+            lock.announce()
+        return _launch_train(cfg, placement)
+
+
+def _launch_train(cfg: TrainConfig, placement: clusters.Placement | None) -> int:
+    here = placement is not None and placement.source == "torchrun"
     from syncline.launch.torchrun import LaunchSpec, launch
     from syncline.train.preflight import prepare_node
 

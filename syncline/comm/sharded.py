@@ -15,6 +15,7 @@ data as tensors, see :func:`pack_object`).
 
 from __future__ import annotations
 
+import errno
 import io
 import pickle
 from collections.abc import Iterable, Mapping
@@ -23,10 +24,11 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from syncline.comm.groups import Group
-from syncline.errors import CheckpointError
+from syncline.comm.groups import Group, comm_error, global_rank
+from syncline.errors import CheckpointError, CheckpointWriteError
 
 __all__ = ["load_sharded", "pack_object", "read_index", "save_sharded", "unpack_object"]
 
@@ -112,24 +114,68 @@ def read_index(directory: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]
     return out
 
 
-def save_sharded(tensors: Mapping[str, torch.Tensor], directory: Path, *, group: Group) -> None:
+def save_sharded(
+    tensors: Mapping[str, torch.Tensor],
+    directory: Path,
+    *,
+    group: Group,
+    timeout_s: float | None = None,
+) -> None:
     """Write ``tensors`` into ``directory`` together with every rank of ``group``.
 
     Every rank calls this, each with its own keys; a key that several ranks pass must hold
     the same values on all of them (it is written once). Only tensors: plain data goes in
     through :func:`pack_object`. Files are fsync'ed before this returns on any rank.
+
+    Raises:
+        CheckpointWriteError: a rank could not write its files (DCP tells every rank), with
+            ``no_space`` when a file system was full.
+        CommError: a peer stopped or failed in DCP's own exchanges (CommTimeout: past
+            ``timeout_s``).
     """
     for key, value in tensors.items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"save_sharded: {key!r} is {type(value).__name__}, not a tensor")
-    dcp.save(
-        dict(tensors),
-        storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True),
-        process_group=group,
-    )
+    try:
+        dcp.save(
+            dict(tensors),
+            storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True),
+            process_group=group,
+        )
+    except CheckpointException as exc:
+        raise write_error(exc, directory) from None
+    except OSError as exc:
+        raise CheckpointWriteError(
+            f"writing {directory} failed: {exc}", no_space=_no_space(exc)
+        ) from exc
+    except RuntimeError as exc:  # DCP's collectives: a peer that stopped or died
+        raise comm_error(global_rank(), f"writing {directory}", exc, timeout_s) from exc
 
 
-def load_sharded(directory: Path, keys: Iterable[str], *, group: Group) -> dict[str, torch.Tensor]:
+def _no_space(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def write_error(exc: CheckpointException, directory: Path) -> CheckpointWriteError:
+    """DCP's report of the ranks that failed to write, as one line: the first rank's error
+    (``no_space`` if any rank's file system was full)."""
+    causes = []
+    for rank, failure in sorted(exc.failures.items()):
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        causes.append((rank, cause))
+    no_space = any(_no_space(c) for _, c in causes)
+    if causes:
+        rank, cause = next(((r, c) for r, c in causes if _no_space(c)), causes[0])
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        what = f"rank {rank}: {type(cause).__name__}: {first}"
+    else:
+        what = str(exc).strip().splitlines()[0] if str(exc).strip() else "unknown"
+    return CheckpointWriteError(f"writing {directory} failed ({what})", no_space=no_space)
+
+
+def load_sharded(
+    directory: Path, keys: Iterable[str], *, group: Group, timeout_s: float | None = None
+) -> dict[str, torch.Tensor]:
     """Read ``keys`` (each rank its own) from a checkpoint written by :func:`save_sharded`.
 
     Raises:
@@ -147,7 +193,10 @@ def load_sharded(directory: Path, keys: Iterable[str], *, group: Group) -> dict[
     # caller moves what it needs to its device
     cpu = torch.device("cpu")
     out = {k: torch.empty(index[k][0], dtype=index[k][1], device=cpu) for k in wanted}
-    dcp.load(out, storage_reader=_SafeReader(str(directory)), process_group=group)
+    try:
+        dcp.load(out, storage_reader=_SafeReader(str(directory)), process_group=group)
+    except RuntimeError as exc:  # DCP's collectives: a peer that stopped or died
+        raise comm_error(global_rank(), f"reading {directory}", exc, timeout_s) from exc
     return out
 
 

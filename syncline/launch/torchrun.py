@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from syncline.errors import CommError
+from syncline.launch.lifeline import AGENT_PID_VARIABLE
 
 
 class LaunchError(CommError):
@@ -64,10 +65,18 @@ def launch(spec: LaunchSpec, argv: Sequence[str] | None = None) -> None:
 
     os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads_per_rank))
     args = get_args_parser().parse_args(list(argv) if argv is not None else torchrun_argv(spec))
+    # the agent is this process: its workers die with it (syncline.launch.lifeline)
+    before = os.environ.get(AGENT_PID_VARIABLE)
+    os.environ[AGENT_PID_VARIABLE] = str(os.getpid())
     try:
         run(args)
     except ChildFailedError as exc:
         raise LaunchError(_describe(exc)) from None
+    finally:
+        if before is None:
+            os.environ.pop(AGENT_PID_VARIABLE, None)
+        else:
+            os.environ[AGENT_PID_VARIABLE] = before
 
 
 def _blame_order(failure: object) -> tuple[bool, bool, int]:

@@ -6,6 +6,7 @@ learning-rate schedule, and neither imports the other's engine.
 
 from __future__ import annotations
 
+import errno
 import inspect
 import math
 import os
@@ -161,11 +162,14 @@ def fail_if_injected(
 ) -> None:
     """Fail this rank where ``--inject-failure`` says, in the first attempt only (a testing
     aid: the job must stop cleanly and name the rank, or, with ``--max-restarts``, restart
-    and complete): ``start`` exits with code 17, the other phases die by SIGKILL, as a
-    machine that loses power, with no chance to say goodbye."""
+    and complete): ``start`` exits with code 17, ``nospace`` raises the ``OSError`` of a
+    full disk, the other phases die by SIGKILL, as a machine that loses power, with no
+    chance to say goodbye."""
     if attempt != 0 or cfg.failure_point() != (rank, step, phase):
         return
     print(f"rank {rank}: injected failure at step {step} ({phase})", file=sys.stderr, flush=True)
+    if phase == "nospace":  # the checkpoint writer's own error on a full disk
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected)")
     if phase == "start":
         os._exit(17)
     os.kill(os.getpid(), signal.SIGKILL)

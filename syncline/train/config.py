@@ -60,8 +60,9 @@ __all__ = ["BACKENDS", "FAILURE_PHASES", "LR_SCALINGS", "PRECISIONS", "TrainConf
 #: step), or SIGKILL ``forward`` (inside the model's forward), ``allreduce`` (in backward,
 #: while the peers wait in the gradient allreduce; a pipeline with replicas: in its stage's
 #: backward, while its replicas wait in the REDUCE), ``checkpoint`` (after this rank wrote its
-#: part of the step's checkpoint, before it is published)
-FAILURE_PHASES = ("start", "forward", "allreduce", "checkpoint")
+#: part of the step's checkpoint, before it is published), ``nospace`` (this rank's
+#: checkpoint write fails with ENOSPC, as on a full disk; the rank lives on)
+FAILURE_PHASES = ("start", "forward", "allreduce", "checkpoint", "nospace")
 BACKENDS = ("auto", "gloo", "nccl")
 
 _MODEL, _LAUNCH, _OUT = "model and data", "launch (passed to torchrun)", "output"
@@ -185,7 +186,8 @@ class TrainConfig:
     """Testing aid: make RANK fail at STEP, to see the job stop cleanly and name it: exit
     before the step, or with ``:PHASE`` die by SIGKILL inside it (``forward``,
     ``allreduce``, ``checkpoint``: after writing its part of the checkpoint the step ends
-    with). Fires only in the first attempt, so a job restarted by ``max_restarts`` completes."""
+    with), or ``nospace``: its write of that checkpoint fails as on a full disk (ENOSPC).
+    Fires only in the first attempt, so a job restarted by ``max_restarts`` completes."""
     checkpoint: CheckpointConfig = part(CheckpointConfig)
     """Periodic checkpoints, resuming, restarts after a failure."""
     guard: GuardConfig = part(GuardConfig)
@@ -429,7 +431,7 @@ class TrainConfig:
                 f"inject_failure={self.inject_failure!r}: a pipeline without replicas has no "
                 "allreduce; valid phases: start, forward, checkpoint (allreduce: with replicas)"
             )
-        if phase == "checkpoint" and not self.checkpoint_due(step + 1):
+        if phase in ("checkpoint", "nospace") and not self.checkpoint_due(step + 1):
             every = self.checkpoint.checkpoint_every or 0
             raise ConfigError(
                 f"inject_failure={self.inject_failure!r}: no checkpoint is written at step "

@@ -23,6 +23,7 @@ from torch import nn
 from syncline.comm.collectives import Collective
 from syncline.comm.device import Stopwatch
 from syncline.dp.precision import LossScaler, scaler_summary
+from syncline.errors import CheckpointWriteError
 from syncline.train.common import arm_failure, fail_if_injected, lr_at
 from syncline.train.config import TrainConfig
 from syncline.train.guarding import GuardStop, GuardWatch
@@ -133,7 +134,9 @@ def train(
         timeout_s=cfg.timeout_s,
         device=device,
     )
-    snap = store.latest() if cfg.checkpoint.resume is not None or attempt > 0 else None
+    snap = None
+    if cfg.checkpoint.resume is not None or attempt > 0:  # the newest that verifies
+        snap = store.newest_intact(functools.partial(print, flush=True) if rank == 0 else None)
     at = Opening(cfg, rank, world, device, store, snap, allreduce, ranks_per_node)
     runner: Runner
     if cfg.pipeline.pipelined:
@@ -253,14 +256,8 @@ def _steps(
                 continue
         if cfg.checkpoint_due(done):
             t_save = time.perf_counter()
-            path = store.save(
-                done,
-                runner.capture(done),
-                on_written=functools.partial(
-                    fail_if_injected, cfg, rank, step, attempt, "checkpoint"
-                ),
-            )
-            if progress is not None:  # rank 0
+            path = _checkpoint(cfg, rank, step, attempt, runner, store, progress)
+            if path is not None and progress is not None:  # rank 0
                 size = sum(f.stat().st_size for f in path.iterdir())
                 progress.note(
                     f"checkpoint of step {done}: {human_bytes(size)} in "
@@ -305,6 +302,40 @@ def _handle(
     if outputs.progress is not None:
         outputs.progress.note(f"guard: {event.kind} at step {event.step} -> {action}{note}")
     return back_to
+
+
+def _checkpoint(
+    cfg: TrainConfig,
+    rank: int,
+    step: int,
+    attempt: int,
+    runner: Runner,
+    store: SnapshotStore,
+    progress: Progress | None,
+) -> Path | None:
+    """Write the checkpoint after ``step``; its directory, or None where it could not be
+    written and ``--on-checkpoint-error skip`` lets the run go on without it (rank 0 warns in
+    one line; every rank agrees, :meth:`SnapshotStore.save`).
+
+    Raises:
+        CheckpointWriteError: it could not be written, under ``stop``.
+    """
+    done = step + 1
+
+    def written() -> None:  # where an injected failure of the checkpoint strikes
+        fail_if_injected(cfg, rank, step, attempt, "checkpoint")
+        fail_if_injected(cfg, rank, step, attempt, "nospace")
+
+    try:
+        return store.save(done, runner.capture(done), on_written=written)
+    except CheckpointWriteError as exc:
+        if cfg.checkpoint.on_checkpoint_error == "stop":
+            raise CheckpointWriteError(f"{exc} (--on-checkpoint-error stop)") from exc
+        if progress is not None:
+            after = cfg.checkpoint.next_due(done, cfg.steps)
+            then = f"trying again at step {after}" if after else "no checkpoint step is left"
+            progress.note(f"warning: {exc}; skipped, {then} (--on-checkpoint-error skip)")
+    return None
 
 
 def common_summary(

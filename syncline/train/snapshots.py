@@ -18,6 +18,7 @@ The run directory must be one file system that every rank sees (as for DCP itsel
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -32,10 +33,10 @@ import torch
 
 from syncline import comm
 from syncline.comm.sharded import load_sharded, save_sharded
-from syncline.errors import CheckpointError
+from syncline.errors import CheckpointError, CheckpointWriteError
 from syncline.fields import check_int
 
-__all__ = ["Snapshot", "SnapshotStore"]
+__all__ = ["Snapshot", "SnapshotStore", "problems"]
 
 _NAME = re.compile(r"^step-(\d{8})$")
 MANIFEST = "MANIFEST.json"
@@ -95,38 +96,49 @@ class SnapshotStore:
         done = self.complete()
         return done[-1] if done else None
 
+    def newest_intact(self, note: Callable[[str], None] | None = None) -> Snapshot | None:
+        """The newest checkpoint that verifies (every rank calls this; each checks a share of
+        the files), or ``None`` when there is none at all. A damaged one is skipped for the
+        one before it, and ``note`` (rank 0's printer) gets one line naming it and why.
+
+        Raises:
+            CheckpointError: checkpoints exist but none verifies (naming each one's damage).
+        """
+        skipped = []
+        for snap in reversed(self.complete()):
+            problem = self.verify(snap)
+            if problem is None:
+                return snap
+            skipped.append(problem)
+            if note is not None:
+                note(f"skipping checkpoint {snap.path}: {problem}; trying the one before it")
+        if skipped:
+            raise CheckpointError(f"no intact checkpoint under {self.root}: {'; '.join(skipped)}")
+        return None
+
+    def verify(self, snap: Snapshot) -> str | None:
+        """What is wrong with ``snap`` (the first damaged or missing file), or ``None``;
+        every rank checks a share of its files and every rank gets the verdict."""
+        if snap.path in self._verified:
+            return None
+        rank, world = comm.group_rank(self.group), comm.group_size(self.group)
+        everyone = self._everyone(problems(snap.path, rank, world), f"verification of {snap.path}")
+        found = [p for rank_problems in everyone for p in rank_problems]
+        if found:
+            return f"damaged: {found[0]}"
+        self._verified.add(snap.path)
+        return None
+
     def load(self, snap: Snapshot, keys: list[str]) -> dict[str, torch.Tensor]:
         """Verify ``snap`` (every rank a share of its files) and read ``keys`` on this rank.
 
         Raises:
             CheckpointError: on every rank, naming the first damaged or missing file.
         """
-        if snap.path not in self._verified:
-            everyone = self._everyone(self._verify_share(snap.path), f"verification of {snap.path}")
-            found = [p for rank_problems in everyone for p in rank_problems]
-            if found:
-                raise CheckpointError(f"checkpoint {snap.path} is damaged: {found[0]}")
-            self._verified.add(snap.path)
-        return load_sharded(snap.path, keys, group=self.group)
-
-    def _verify_share(self, path: Path) -> list[str]:
-        try:
-            manifest = json.loads((path / MANIFEST).read_text())
-            files = manifest["files"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            return [f"{MANIFEST} unreadable ({exc})"]
-        listed = sorted(files)
-        on_disk = sorted(p.name for p in path.iterdir() if p.name != MANIFEST)
-        if listed != on_disk:
-            return [f"files {sorted(set(listed) ^ set(on_disk))} differ from {MANIFEST}"]
-        rank, world = comm.group_rank(self.group), comm.group_size(self.group)
-        problems = []
-        for name in listed[rank::world]:
-            size, digest = _size_and_digest(path / name)
-            want = files[name]
-            if [size, digest] != [want.get("size"), want.get("sha256")]:
-                problems.append(f"{name} ({size} bytes) does not match its recorded digest")
-        return problems
+        problem = self.verify(snap)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {snap.path} is {problem}")
+        return load_sharded(snap.path, keys, group=self.group, timeout_s=self.timeout_s)
 
     # -- writing ---------------------------------------------------------------------------
     def save(
@@ -139,33 +151,83 @@ class SnapshotStore:
         ``step``, publish it, and drop the oldest beyond ``keep``. Every rank calls this.
 
         ``on_written`` runs once this rank's files are on disk, before publication (where
-        ``--inject-failure R:S:checkpoint`` strikes)."""
+        ``--inject-failure R:S:checkpoint`` strikes).
+
+        Raises:
+            CheckpointWriteError: on every rank alike, when any rank could not write (a full
+                disk: naming the directory and its free space); nothing of this step is
+                published and the checkpoints before it are untouched.
+        """
         final = self.root / f"step-{step:08d}"
         self._verified.discard(final)  # rewritten below: checked again if read
         partial = self.root / f".partial-step-{step:08d}"
         rank, world = comm.group_rank(self.group), comm.group_size(self.group)
+        failure = None
         if rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir()
-        self._barrier(f"checkpoint {step}: directory ready")
-        save_sharded(tensors, partial, group=self.group)
-        if on_written is not None:
-            on_written()
-        names = sorted(p.name for p in partial.iterdir())
-        mine = {n: _size_and_digest(partial / n) for n in names[rank::world]}
-        everyone = self._everyone(mine, f"checkpoint {step} digests")
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(partial, ignore_errors=True)
+                partial.mkdir()
+            except OSError as exc:
+                failure = _failure(exc)
+        self._agree(step, partial, [failure], f"checkpoint {step}: directory ready")
+        mine: dict[str, tuple[int, str]] = {}
+        try:
+            save_sharded(tensors, partial, group=self.group, timeout_s=self.timeout_s)
+            if on_written is not None:
+                on_written()
+            names = sorted(p.name for p in partial.iterdir())
+            mine = {n: _size_and_digest(partial / n) for n in names[rank::world]}
+        except (CheckpointWriteError, OSError) as exc:
+            failure = _failure(exc)
+        everyone = self._everyone((mine, failure), f"checkpoint {step} digests")
+        self._agree(step, partial, [f for _, f in everyone], None)
         if rank == 0:
-            files = {n: {"size": s, "sha256": d} for part in everyone for n, (s, d) in part.items()}
-            _write_synced(partial / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
-            _fsync_dir(partial)
-            if final.exists():  # the same step again (a restarted run): the new copy wins
-                shutil.rmtree(final)
-            os.replace(partial, final)
-            _fsync_dir(self.root)
-            self._prune()
-        self._barrier(f"checkpoint {step}: published")
+            files = {
+                n: {"size": s, "sha256": d} for part, _ in everyone for n, (s, d) in part.items()
+            }
+            try:
+                manifest = json.dumps({"step": step, "files": files}, indent=1)
+                _write_synced(partial / MANIFEST, manifest)
+                _fsync_dir(partial)
+                if final.exists():  # the same step again (a restarted run): the new copy wins
+                    shutil.rmtree(final)
+                os.replace(partial, final)
+                _fsync_dir(self.root)
+                self._prune()
+            except OSError as exc:
+                failure = _failure(exc)
+        self._agree(step, partial, [failure], f"checkpoint {step}: published")
         return final
+
+    def _agree(
+        self,
+        step: int,
+        partial: Path,
+        failures: list[tuple[str, bool] | None],
+        what: str | None,
+    ) -> None:
+        """Raise the same :class:`CheckpointWriteError` on every rank if any rank failed.
+
+        ``failures``: every rank's (already exchanged, ``what`` None) or this rank's alone,
+        exchanged here (under ``what``); rank 0's is every rank's verdict when only rank 0
+        acted."""
+        if what is not None:
+            failures = [f for [f] in self._everyone(failures, what)]
+        found = [f for f in failures if f is not None]
+        if not found:
+            return
+        if comm.group_rank(self.group) == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        detail, _ = next((f for f in found if f[1]), found[0])
+        if any(no_space for _, no_space in found):
+            free = _free_bytes(self.root)
+            raise CheckpointWriteError(
+                f"checkpoint of step {step} does not fit in {self.root}: {detail}; "
+                f"{_human(free)} free there",
+                no_space=True,
+            )
+        raise CheckpointWriteError(f"checkpoint of step {step} could not be written: {detail}")
 
     def _prune(self) -> None:
         for snap in self.complete()[: -self.keep]:
@@ -180,8 +242,58 @@ class SnapshotStore:
             mine, group=self.group, what=what, timeout_s=self.timeout_s, device=self.device
         )
 
-    def _barrier(self, what: str) -> None:
-        comm.barrier(group=self.group, timeout_s=self.timeout_s, what=what)
+
+def problems(path: Path, rank: int = 0, world: int = 1) -> list[str]:
+    """What is wrong with the checkpoint in ``path``: the manifest, the list of files, and
+    the sizes and digests of share ``rank`` of ``world`` of the files (by default all: a
+    single process, such as the command line before a launch)."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return [f"{MANIFEST} unreadable ({exc})"]
+    listed = sorted(files)
+    on_disk = sorted(p.name for p in path.iterdir() if p.name != MANIFEST)
+    if listed != on_disk:
+        return [f"files {sorted(set(listed) ^ set(on_disk))} differ from {MANIFEST}"]
+    found = []
+    for name in listed[rank::world]:
+        try:
+            size, digest = _size_and_digest(path / name)
+        except OSError as exc:
+            found.append(f"{name} unreadable ({exc})")
+            continue
+        want = files[name]
+        if [size, digest] != [want.get("size"), want.get("sha256")]:
+            found.append(f"{name} ({size} bytes) does not match its recorded digest")
+    return found
+
+
+def _failure(exc: BaseException) -> tuple[str, bool]:
+    """A write failure as (one line, whether a file system was full)."""
+    no_space = getattr(exc, "no_space", False) or (
+        isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    )
+    text = str(exc).strip()
+    return (" ".join(text.splitlines()[0].split()) if text else type(exc).__name__), no_space
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _human(n: int | None) -> str:
+    if n is None:
+        return "unknown space"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
 
 
 def _size_and_digest(path: Path) -> tuple[int, str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from syncline.errors import CheckpointError
 from syncline.testing import run_ranks
 from syncline.train.checkpoint import load_checkpoint
 from tests.zoo.cli import syncline
-from tests.zoo.train import Trained, cli, train, train_failing, train_restarted
+from tests.zoo.train import Trained, cli, launched, train, train_failing, train_restarted
 
 TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16"]
 TINY += ["--batch-size", "8", "--log-every", "2", "--warmup-steps", "2"]
@@ -111,6 +112,100 @@ def test_resume_after_a_failure_is_bit_exact(tmp_path, uninterrupted) -> None:
         "step-00000006",
         "step-00000008",
     ]
+
+
+def test_resume_skips_a_damaged_newest_checkpoint_and_is_bit_exact(
+    tmp_path, uninterrupted, capsys
+) -> None:
+    """One byte flipped in the newest checkpoint (of step 6): the command line checks it
+    before launch and the ranks check it again; each says in one line that it skips it and
+    why, the run continues from the intact one before it (step 4, kept by
+    ``--keep-checkpoints 2``) and ends with the uninterrupted run's state, bit for bit."""
+    run = tmp_path / "run"
+    failed = train_failing(
+        *TINY, "--run-dir", str(run), "--steps", "8", "--checkpoint-every", "2",
+        "--inject-failure", "1:7",
+    )  # fmt: skip
+    assert "rank 1: injected failure at step 7" in failed.text, failed.text[-3000:]
+    newest = run / "checkpoints" / "step-00000006"
+    victim = sorted(p for p in newest.iterdir() if p.suffix == ".distcp")[-1]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    capsys.readouterr()
+    text = _train(run, "--resume", str(run), "--steps", "8").text
+    why = f"damaged: {victim.name} ({len(data)} bytes) does not match its recorded digest"
+    before_launch = capsys.readouterr().out
+    assert f"syncline train: skipping checkpoint {newest}: {why}\n" in before_launch
+    lines = [line for line in text.splitlines() if "skipping checkpoint" in line]
+    assert lines == [f"skipping checkpoint {newest}: {why}; trying the one before it"], text
+    assert "Traceback" not in text
+    assert f"resumed from {run / 'checkpoints' / 'step-00000004'} (step 4)" in text, text
+    _assert_same_state(_final(run), uninterrupted["dense"])
+
+
+def test_a_checkpoint_that_does_not_fit_is_skipped_and_the_run_goes_on(
+    tmp_path, uninterrupted
+) -> None:
+    """``--on-checkpoint-error skip``: rank 1's write of step 4's checkpoint fails as on a
+    full disk (ENOSPC); every rank agrees, rank 0 warns in one line naming the directory and
+    its free space, nothing of step 4 is published, the next checkpoint is written, and the
+    run ends with the uninterrupted run's state, bit for bit."""
+    run = tmp_path / "run"
+    text = _train(
+        run, "--steps", "8", "--checkpoint-every", "2", "--on-checkpoint-error", "skip",
+        "--inject-failure", "1:3:nospace",
+    ).text  # fmt: skip
+    warned = [line for line in text.splitlines() if line.startswith("warning:")]
+    assert len(warned) == 1, text
+    assert warned[0].startswith(
+        f"warning: checkpoint of step 4 does not fit in {run / 'checkpoints'}: "
+        "[Errno 28] No space left on device (injected); "
+    ), warned
+    assert warned[0].endswith(
+        " free there; skipped, trying again at step 6 (--on-checkpoint-error skip)"
+    ), warned
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step-00000006",
+        "step-00000008",
+    ]
+    _assert_same_state(_final(run), uninterrupted["dense"])
+
+
+def test_a_checkpoint_that_does_not_fit_stops_each_rank_with_one_line(tmp_path) -> None:
+    """``--on-checkpoint-error stop`` (the default), through the workers' own entry point:
+    each rank ends with one line naming the directory and the free space, no traceback on
+    the console (it is in the rank's log file), and the checkpoint before is intact."""
+    run = tmp_path / "run"
+    res = launched(
+        "train", *TINY, "--run-dir", str(run), "--steps", "8", "--checkpoint-every", "2",
+        "--inject-failure", "1:3:nospace",
+    )  # fmt: skip
+    text = res.stdout + res.stderr
+    assert res.returncode == 1, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    want = f"checkpoint of step 4 does not fit in {run / 'checkpoints'}: [Errno 28] No space"
+    for rank in (0, 1):
+        lines = [line for line in text.splitlines() if line.startswith(f"rank {rank}: {want}")]
+        assert len(lines) == 1, text[-3000:]
+        assert lines[0].endswith(f"(--on-checkpoint-error stop) (traceback: {run}/logs/rank{rank}.log)")
+        assert "Traceback" in (run / "logs" / f"rank{rank}.log").read_text()
+    # the launcher names the rank whose line it read first (the other may be stopped by then)
+    pattern = r"job failed: rank (\d) \(exit code 1: CheckpointWriteError: rank \1: "
+    assert re.search(pattern + re.escape(want), text), text[-3000:]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000002"]
+
+
+def test_resume_refuses_when_no_checkpoint_is_intact(tmp_path) -> None:
+    run = tmp_path / "run"
+    _train(run, "--steps", "2", "--checkpoint-every", "2")
+    for snap in (run / "checkpoints").iterdir():
+        victim = sorted(p for p in snap.iterdir() if p.suffix == ".distcp")[0]
+        victim.write_bytes(victim.read_bytes()[:-1])  # truncated
+    res = cli("train", *TINY, "--resume", str(run), "--steps", "4")
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "no intact checkpoint to resume from (step-00000002: damaged:" in res.stderr
+    assert res.stderr.count("\n") == 1, res.stderr
 
 
 @pytest.mark.parametrize(

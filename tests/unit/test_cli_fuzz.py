@@ -57,6 +57,7 @@ OPTIONS: dict[str, st.SearchStrategy[object]] = {
     "--inject-failure": st.sampled_from(["1:5", "0:0", "5:1", "x", "1:-1", "1:2:3"]),
     "--checkpoint-every": _INT,
     "--keep-checkpoints": _INT,
+    "--on-checkpoint-error": st.sampled_from(["stop", "skip", "retry", ""]),
     "--max-restarts": _INT,
     "--resume": st.sampled_from(["/nonexistent/run", ""]),
     "--n-layer": _INT,

@@ -65,7 +65,7 @@ HELP_SECTIONS = [
     ("output", ["--run-dir", "--log-every", "--tensorboard", "--inject-failure"]),
     ("validation", ["--val-fraction", "--eval-every", "--eval-batches", "--sample-tokens"]),
     ("checkpoints and failures", ["--checkpoint-every", "--keep-checkpoints", "--resume",
-                                  "--max-restarts"]),
+                                  "--on-checkpoint-error", "--max-restarts"]),
     ("non-finite values and loss spikes", ["--on-nonfinite", "--skip-batches",
                                            "--spike-factor", "--spike-window",
                                            "--inject-nonfinite"]),

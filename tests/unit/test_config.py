@@ -226,7 +226,7 @@ FLAT_CONFIG_JSON = {
     "plugins": [], "run_dir": "RUN", "log_every": 10, "tensorboard": False,
     "val_fraction": 0.0, "eval_every": 0, "eval_batches": 4, "sample_tokens": 0,
     "inject_failure": None, "checkpoint_every": 4, "keep_checkpoints": 2, "resume": None,
-    "max_restarts": 0,
+    "on_checkpoint_error": "stop", "max_restarts": 0,
 }  # fmt: skip
 
 
@@ -256,7 +256,9 @@ def test_a_run_directory_with_a_flat_config_json_resumes(tmp_path) -> None:
 
     run = tmp_path / "run"
     (run / "checkpoints" / "step-00000004").mkdir(parents=True)
-    (run / "checkpoints" / "step-00000004" / "MANIFEST.json").write_text("{}")
+    # an intact (empty) checkpoint: the command line verifies it before launch
+    manifest = {"step": 4, "files": {}}
+    (run / "checkpoints" / "step-00000004" / "MANIFEST.json").write_text(json.dumps(manifest))
     (run / "config.json").write_text(json.dumps({**FLAT_CONFIG_JSON, "run_dir": str(run)}))
     resumed = config_from_args(
         build_parser().parse_args(["train", "--resume", str(run), "--steps", "12"])

@@ -31,6 +31,7 @@ PURE = [
     "syncline.launch.netns",
     "syncline.launch.devices",
     "syncline.launch.clusters",
+    "syncline.launch.lifeline",
     "syncline.partition",
     "syncline.planner",
 ]
