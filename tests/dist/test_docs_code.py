@@ -153,7 +153,11 @@ def test_blocks_found() -> None:
     assert ranks_of(Block(REPO, 1, "python", "# torchrun --nproc-per-node 4 x.py\n", None)) == 4
     assert ranks_of(Block(REPO, 1, "python", "import torch\n", None)) is None
     guarded = [b.where for b in BLOCKS if ranks_of(b) is None and has_main_guard(b)]
-    assert "docs/testing.md:35" in guarded, guarded  # starts ranks: a real __main__ file
+    # the run_ranks example starts ranks: a real __main__ file
+    run_ranks_example = next(
+        b.where for b in BLOCKS if b.page.name == "testing.md" and "run_ranks(" in b.code
+    )
+    assert run_ranks_example in guarded, (run_ranks_example, guarded)
     assert not has_main_guard(Block(REPO, 1, "python", "x = '__main__'\n", None))
 
 
