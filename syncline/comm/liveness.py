@@ -94,7 +94,10 @@ class Heartbeat:
         syncline worker's is touched, so a recycled pid is left alone."""
         host, killed = socket.gethostname(), []
         for r in ranks:
-            try:
+            try:  # a rank stopped before it said who it is has nothing to kill: ask first,
+                # since a get of a missing key blocks for the store's whole timeout
+                if not self.store.check([f"who/{r}"]):
+                    continue
                 where = self.store.get(f"who/{r}").decode()
             except Exception:
                 continue
