@@ -79,9 +79,15 @@ def parse_engine(spec: str, s: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return name, mine
 
 
-def _run(net: EmulatedNetwork | None, spec: str, s: dict[str, Any], a: argparse.Namespace,
-         target: float | None, max_steps: int) -> dict[str, Any]:  # fmt: skip
-    name, mine = parse_engine(spec, s)
+def _run(
+    net: EmulatedNetwork | None,
+    spec: str,
+    engine: tuple[str, dict[str, Any]],
+    a: argparse.Namespace,
+    target: float | None,
+    max_steps: int,
+) -> dict[str, Any]:
+    name, mine = engine
     args = (mine, name, target, max_steps)
     kw: dict[str, Any] = {"timeout_s": a.config_timeout, "comm_timeout_s": a.comm_timeout}
     if net is None:
@@ -176,8 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     s.update(eval_every=a.eval_every, eval_batches=a.eval_batches, eval_batch=a.eval_batch,
              eval_bytes=a.eval_bytes)  # fmt: skip
     specs = a.configs.split()
-    for spec in specs:
-        parse_engine(spec, s)  # every bad spec refused before any run
+    engines = {spec: parse_engine(spec, s) for spec in specs}  # all refused before any run
     rate = "loopback" if a.loopback else a.rate
     out = Path(a.out or RESULTS / f"time_to_accuracy_{rate}_{a.n_layer}x{a.n_embd}.json")
     started = time.perf_counter()
@@ -190,14 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if net is not None:
             net.__enter__()
-        ref = _run(net, "ddp", s, a, None, a.ddp_steps)
+        ref = _run(net, "ddp", ("ddp", s), a, None, a.ddp_steps)
         target = ref["curve"][-1]["heldout_loss"]
         print(f"[tta] target: DDP's held-out loss after {a.ddp_steps} steps = {target:.4f}")
         max_steps = int(a.max_steps_factor * a.ddp_steps)
         runs: dict[str, list[dict[str, Any]]] = {spec: [] for spec in specs}
         for r in range(a.rounds):
             for spec in abba(rotated(specs, r), r):
-                res = _run(net, spec, s, a, target, max_steps)
+                res = _run(net, spec, engines[spec], a, target, max_steps)
                 runs[spec].append(res)
                 got = res["reached"]
                 print(f"[tta] round {r + 1} {spec}: "
@@ -206,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if net is not None:
             net.__exit__(None, None, None)
-    ddp_names = [x for x in specs if parse_engine(x, s)[0].startswith("ddp")]
+    ddp_names = [spec for spec, (name, _) in engines.items() if name.startswith("ddp")]
     doc = {
         "rate": rate,
         "world_size": WORLD,

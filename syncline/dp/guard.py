@@ -126,8 +126,8 @@ class StepGuard:
             )
         bad = ~torch.isfinite(torch.stack(torch._foreach_norm(grads)))
         torch.maximum(self.local, bad.any().to(self.local.dtype), out=self.local)
-        none = torch.full_like(index, len(self.names))
-        torch.minimum(self.first_bad, torch.where(bad, index, none).min(), out=self.first_bad)
+        first = torch.where(bad, index, len(self.names)).min()  # len(names): none here
+        torch.minimum(self.first_bad, first, out=self.first_bad)
 
     def fill_tail(self, tail: torch.Tensor) -> None:
         """Write this rank's flag and loss into the tail of the last bucket."""
